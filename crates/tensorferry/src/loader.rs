@@ -1,0 +1,265 @@
+//! The core API: a [`Loader`] holding options and a staging pool, loading checkpoints,
+//! raw files and byte ranges into host memory or caller-given destinations.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use crate::checkpoint::Checkpoint;
+use crate::device::host::AlignedBuf;
+use crate::device::staging::StagingPool;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::format::{Dtype, RawSpec};
+use crate::io::{EngineChoice, ProgressFn};
+use crate::pipeline::{self, HostSink, Report, RunOptions, Sink, Target};
+use crate::plan::Extent;
+use crate::settings;
+use crate::source::LocalFile;
+
+/// Options of a [`Loader`]. `Default` reads the `TENSORFERRY_*` variables (see
+/// [`crate::settings`]), falling back to built-in defaults.
+#[derive(Clone)]
+pub struct LoadOptions {
+    /// Engine policy.
+    pub engine: EngineChoice,
+    /// Reader threads for the pread engines.
+    pub threads: usize,
+    /// Staging slot size in bytes.
+    pub slot_size: usize,
+    /// Number of staging slots.
+    pub slots: usize,
+    /// `io_uring` queue depth.
+    pub uring_depth: u32,
+    /// Called from reader threads with `(bytes done, bytes total)`.
+    pub progress: Option<Arc<ProgressFn>>,
+    /// Set to `true` to cancel a load in flight; it then fails with [`Error::Cancelled`].
+    pub cancel: Option<Arc<AtomicBool>>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("engine", &self.engine)
+            .field("threads", &self.threads)
+            .field("slot_size", &self.slot_size)
+            .field("slots", &self.slots)
+            .field("uring_depth", &self.uring_depth)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        let num = |name: &str| settings::var(name).and_then(|v| settings::parse_size(&v));
+        Self {
+            engine: settings::var(settings::ENGINE)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_default(),
+            threads: num(settings::THREADS)
+                .map_or_else(settings::cores, |n| n as usize)
+                .max(1),
+            slot_size: num(settings::SLOT_SIZE).map_or(settings::DEFAULT_SLOT_SIZE, |n| n as usize),
+            slots: num(settings::SLOTS)
+                .map_or(settings::DEFAULT_SLOTS, |n| n as usize)
+                .max(1),
+            uring_depth: num(settings::URING_DEPTH)
+                .map_or(settings::DEFAULT_URING_DEPTH, |n| n as u32),
+            progress: None,
+            cancel: None,
+        }
+    }
+}
+
+/// A tensor loaded into host memory, owning its bytes.
+#[derive(Debug)]
+pub struct HostTensor {
+    /// Its name (empty for raw loads).
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// The bytes, page-aligned.
+    pub data: AlignedBuf,
+}
+
+/// Loads tensors. Holds options and a staging pool that is allocated on first use and
+/// reused by every load; one loader may be shared by many threads.
+pub struct Loader {
+    opts: LoadOptions,
+    pool: Mutex<Option<Arc<StagingPool>>>,
+}
+
+impl Default for Loader {
+    fn default() -> Self {
+        Self::new(LoadOptions::default())
+    }
+}
+
+impl Loader {
+    /// A loader with these options.
+    pub fn new(opts: LoadOptions) -> Self {
+        Self {
+            opts,
+            pool: Mutex::new(None),
+        }
+    }
+
+    /// The loader's options.
+    pub fn options(&self) -> &LoadOptions {
+        &self.opts
+    }
+
+    /// The staging pool, allocated on first call.
+    pub fn staging(&self) -> Result<Arc<StagingPool>> {
+        let mut pool = self.pool.lock().expect("loader lock");
+        if let Some(p) = pool.as_ref() {
+            return Ok(Arc::clone(p));
+        }
+        let p = Arc::new(StagingPool::new(self.opts.slot_size, self.opts.slots)?);
+        *pool = Some(Arc::clone(&p));
+        Ok(p)
+    }
+
+    /// Loads every tensor of a checkpoint (file, index or directory) into host memory,
+    /// sorted by name, with a report of what was read how.
+    pub fn load_checkpoint(&self, ck: &Checkpoint) -> Result<(Vec<HostTensor>, Report)> {
+        let names: Vec<&str> = ck
+            .tensors
+            .iter()
+            .map(super::checkpoint::TensorEntry::name)
+            .collect();
+        self.load_tensors(ck, &names)
+    }
+
+    /// Loads the named tensors of a checkpoint into host memory, in the order asked.
+    pub fn load_tensors(
+        &self,
+        ck: &Checkpoint,
+        names: &[&str],
+    ) -> Result<(Vec<HostTensor>, Report)> {
+        let mut out = Vec::with_capacity(names.len());
+        let mut extents = Vec::with_capacity(names.len());
+        for (i, name) in names.iter().enumerate() {
+            let t = ck.tensor(name)?;
+            out.push(HostTensor {
+                name: t.name().to_string(),
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                data: AlignedBuf::zeroed(t.len() as usize)?,
+            });
+            extents.push(Extent {
+                file: t.file,
+                offset: t.file_offset,
+                len: t.len(),
+                dest: i,
+                dest_offset: 0,
+            });
+        }
+        let report = self.read_into_host(
+            &ck.files,
+            &extents,
+            &mut out.iter_mut().map(|t| &mut *t.data).collect::<Vec<_>>(),
+        )?;
+        Ok((out, report))
+    }
+
+    /// Loads a raw flat file (or part of it) into host memory.
+    pub fn load_raw(&self, path: &Path, spec: RawSpec) -> Result<(HostTensor, Report)> {
+        let mut v = self.load_raws(&[(path.to_path_buf(), spec)])?;
+        let t = v.0.pop().expect("one tensor");
+        Ok((t, v.1))
+    }
+
+    /// Loads several raw files (or ranges) in one submission.
+    pub fn load_raws(&self, specs: &[(PathBuf, RawSpec)]) -> Result<(Vec<HostTensor>, Report)> {
+        let mut paths: Vec<PathBuf> = Vec::new();
+        let mut out = Vec::with_capacity(specs.len());
+        let mut extents = Vec::with_capacity(specs.len());
+        for (i, (path, spec)) in specs.iter().enumerate() {
+            let file_len = LocalFile::open(path)?.len();
+            let (offset, len) = spec
+                .byte_range(file_len)
+                .map_err(|e| Error::invalid(path, e))?;
+            let file = paths.iter().position(|p| p == path).unwrap_or_else(|| {
+                paths.push(path.clone());
+                paths.len() - 1
+            });
+            out.push(HostTensor {
+                name: String::new(),
+                dtype: spec.dtype,
+                shape: vec![spec.elements_in(len)],
+                data: AlignedBuf::zeroed(len as usize)?,
+            });
+            extents.push(Extent {
+                file,
+                offset,
+                len,
+                dest: i,
+                dest_offset: 0,
+            });
+        }
+        let report = self.read_into_host(
+            &paths,
+            &extents,
+            &mut out.iter_mut().map(|t| &mut *t.data).collect::<Vec<_>>(),
+        )?;
+        Ok((out, report))
+    }
+
+    /// Reads `extents` of `paths` into host buffers (`dests[extent.dest]`).
+    pub fn read_into_host(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        dests: &mut [&mut [u8]],
+    ) -> Result<Report> {
+        let targets: Vec<Target> = dests
+            .iter_mut()
+            .map(|d| Target::Host {
+                ptr: d.as_mut_ptr(),
+                len: d.len() as u64,
+            })
+            .collect();
+        let sink = HostSink::new(&targets)?;
+        // SAFETY: the targets are the caller's exclusive borrows, alive for this call.
+        unsafe { self.read_into(paths, extents, &targets, &sink) }
+    }
+
+    /// Reads `extents` of `paths` into `targets` through `sink` (the copy stage).
+    ///
+    /// # Safety
+    /// Every target must be valid for writes of its length, and untouched by anyone else,
+    /// until this returns.
+    pub unsafe fn read_into(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        targets: &[Target],
+        sink: &dyn Sink,
+    ) -> Result<Report> {
+        let pool = self.staging()?;
+        let run = RunOptions {
+            engine: self.opts.engine,
+            threads: self.opts.threads,
+            uring_depth: self.opts.uring_depth,
+            direct_chunk: settings::DIRECT_CHUNK,
+            cancel: self.opts.cancel.as_deref(),
+            progress: self.opts.progress.as_deref(),
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pipeline::run(paths, extents, targets, sink, &pool, &run) }
+    }
+
+    /// Where tensors go for `device`; only host memory is supported by this build's
+    /// Rust API (device destinations come through [`Loader::read_into`]).
+    pub fn check_device(device: Device) -> Result<()> {
+        match device {
+            Device::Cpu => Ok(()),
+            Device::Cuda(_) => Err(Error::Unsupported(
+                "loading to CUDA needs a device sink (see the cuda module)".into(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! The pipeline: choose an engine per file, plan its reads, run them through staging
+//! slots (or straight into host memory), and hand each slot to the copy stage (the sink),
+//! which gives it back when its copies are done. Memory is bounded by the pool.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use crate::device::staging::{Slot, StagingPool};
+use crate::error::{Error, Result};
+use crate::io::{self, Control, Engine, EngineChoice, ProgressFn, DIRECT_ALIGN};
+use crate::plan::{self, Extent, PlanOptions, Read};
+use crate::source::{local, LocalFile};
+
+/// A destination buffer, given by address. The caller keeps it alive and untouched for
+/// the whole load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Host memory.
+    Host {
+        /// First byte.
+        ptr: *mut u8,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// CUDA device memory.
+    Cuda {
+        /// Device ordinal.
+        device: usize,
+        /// Device address.
+        ptr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+}
+
+impl Target {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        match *self {
+            Target::Host { len, .. } | Target::Cuda { len, .. } => len,
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: a Target is an address; whoever creates one promises it stays valid and
+// unaliased for the load (see `Loader::read_into`).
+unsafe impl Send for Target {}
+// SAFETY: as above.
+unsafe impl Sync for Target {}
+
+/// The copy stage: takes each filled slot and moves its pieces to their destinations.
+pub trait Sink: Sync {
+    /// Delivers the pieces of `read` held in `slot`. The sink owns the slot until its
+    /// copies are complete, then drops it (which returns it to the pool).
+    fn deliver(&self, read: &Read, slot: Slot) -> Result<()>;
+    /// Host address of destination `dest` at `offset`, when reads may land there directly.
+    fn host_ptr(&self, dest: usize, offset: u64) -> Option<*mut u8>;
+    /// Waits for every copy delivered so far.
+    fn finish(&self) -> Result<()>;
+}
+
+/// The copy stage for host destinations: a `memcpy` per piece.
+pub struct HostSink<'a> {
+    targets: &'a [Target],
+}
+
+impl<'a> HostSink<'a> {
+    /// A sink over host targets.
+    ///
+    /// # Errors
+    /// If a target is not host memory.
+    pub fn new(targets: &'a [Target]) -> Result<Self> {
+        if targets.iter().any(|t| !matches!(t, Target::Host { .. })) {
+            return Err(Error::InvalidArgument(
+                "host sink given a device target".into(),
+            ));
+        }
+        Ok(Self { targets })
+    }
+}
+
+impl Sink for HostSink<'_> {
+    fn deliver(&self, read: &Read, slot: Slot) -> Result<()> {
+        let src = slot.as_slice();
+        for p in &read.pieces {
+            let dst = self.host_ptr(p.dest, p.dest_offset).expect("host target");
+            let from = &src[p.buf_offset as usize..(p.buf_offset + p.len) as usize];
+            // SAFETY: the range was checked against the target's length before the run,
+            // and pieces of one load never overlap in a destination.
+            unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), dst, from.len()) };
+        }
+        Ok(())
+    }
+
+    fn host_ptr(&self, dest: usize, offset: u64) -> Option<*mut u8> {
+        match self.targets[dest] {
+            // SAFETY: offset <= len, checked before the run.
+            Target::Host { ptr, .. } => Some(unsafe { ptr.add(offset as usize) }),
+            Target::Cuda { .. } => None,
+        }
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Settings of one run.
+pub struct RunOptions<'a> {
+    /// Engine policy.
+    pub engine: EngineChoice,
+    /// Reader threads for the pread engines.
+    pub threads: usize,
+    /// `io_uring` queue depth.
+    pub uring_depth: u32,
+    /// Largest buffered read straight into host memory.
+    pub direct_chunk: u64,
+    /// Set to cancel.
+    pub cancel: Option<&'a AtomicBool>,
+    /// Progress callback.
+    pub progress: Option<&'a ProgressFn>,
+}
+
+/// What a load did.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Bytes delivered to destinations.
+    pub bytes: u64,
+    /// Wall time of the load.
+    pub seconds: f64,
+    /// Per file: its path, the engine it was read with, and its bytes.
+    pub files: Vec<FileReport>,
+}
+
+impl Report {
+    /// Throughput in GB/s (10^9 bytes per second).
+    pub fn gbps(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One file's part of a [`Report`].
+#[derive(Debug, Clone)]
+pub struct FileReport {
+    /// The file.
+    pub path: PathBuf,
+    /// The engine that read it.
+    pub engine: Engine,
+    /// Bytes delivered from it.
+    pub bytes: u64,
+    /// Fraction of the file in the page cache when the engine was chosen (auto only).
+    pub resident: Option<f64>,
+}
+
+/// Chooses the engine for one file under `choice`, with the fallbacks logged.
+pub fn choose_engine(
+    path: &std::path::Path,
+    choice: EngineChoice,
+    file: &LocalFile,
+) -> (Engine, Option<f64>) {
+    let cold_engine = || {
+        if !local::supports_direct(path) {
+            log::debug!(
+                "{}: file system refuses O_DIRECT, using buffered pread",
+                path.display()
+            );
+            return Engine::Pread;
+        }
+        match io::uring::available() {
+            Ok(()) => Engine::Uring,
+            Err(_) => Engine::PreadDirect,
+        }
+    };
+    match choice {
+        EngineChoice::Auto => {
+            let resident = file.resident_fraction();
+            let engine = if resident >= 0.5 {
+                Engine::Pread
+            } else {
+                cold_engine()
+            };
+            log::debug!(
+                "{}: {:.0}% in page cache -> {engine}",
+                path.display(),
+                resident * 100.0
+            );
+            (engine, Some(resident))
+        }
+        EngineChoice::Pread => (Engine::Pread, None),
+        EngineChoice::Direct => {
+            if local::supports_direct(path) {
+                (Engine::PreadDirect, None)
+            } else {
+                log::debug!("{}: O_DIRECT refused, using buffered pread", path.display());
+                (Engine::Pread, None)
+            }
+        }
+        EngineChoice::Uring | EngineChoice::Gds => (cold_engine(), None),
+    }
+}
+
+/// Runs one load: `extents` of `paths` into `targets` through `sink`.
+///
+/// # Safety
+/// Every target must be valid for writes of its length, and untouched by anyone else,
+/// until this returns.
+pub unsafe fn run(
+    paths: &[PathBuf],
+    extents: &[Extent],
+    targets: &[Target],
+    sink: &dyn Sink,
+    pool: &StagingPool,
+    opts: &RunOptions,
+) -> Result<Report> {
+    let start = Instant::now();
+    check_extents(paths, extents, targets)?;
+    let mut wanted = vec![false; paths.len()];
+    for e in extents.iter().filter(|e| e.len > 0) {
+        wanted[e.file] = true;
+    }
+    // Open each file once, buffered; choose its engine; reopen with O_DIRECT if needed.
+    let mut files = Vec::with_capacity(paths.len());
+    let mut engines = Vec::with_capacity(paths.len());
+    let mut reports = Vec::new();
+    for (i, path) in paths.iter().enumerate() {
+        let f = LocalFile::open(path)?;
+        let (engine, resident) = if wanted[i] {
+            choose_engine(path, opts.engine, &f)
+        } else {
+            (Engine::Pread, None)
+        };
+        let f = if engine.direct() {
+            LocalFile::open_direct(path)?
+        } else {
+            f
+        };
+        files.push(f);
+        engines.push(engine);
+        if wanted[i] {
+            let bytes = extents.iter().filter(|e| e.file == i).map(|e| e.len).sum();
+            reports.push(FileReport {
+                path: path.clone(),
+                engine,
+                bytes,
+                resident,
+            });
+        }
+    }
+    let total: u64 = extents.iter().map(|e| e.len).sum();
+    let ctl = Control::new(total, opts.cancel, opts.progress);
+    let deliver = |read: &Read, slot: Slot| sink.deliver(read, slot);
+    let all_host = targets.iter().all(|t| matches!(t, Target::Host { .. }));
+    for engine in [Engine::Uring, Engine::PreadDirect, Engine::Pread] {
+        let group: Vec<Extent> = extents
+            .iter()
+            .filter(|e| engines[e.file] == engine)
+            .copied()
+            .collect();
+        if group.is_empty() || ctl.should_stop() {
+            continue;
+        }
+        let slot = pool.slot_size() as u64;
+        match engine {
+            Engine::Pread if all_host => {
+                let reads = plan::plan(
+                    &group,
+                    PlanOptions {
+                        align: 1,
+                        max_read: opts.direct_chunk.max(1),
+                        max_gap: 0,
+                    },
+                );
+                let dest =
+                    |p: &plan::Piece| sink.host_ptr(p.dest, p.dest_offset).expect("host target");
+                // SAFETY: targets are valid and exclusive (this function's contract) and
+                // pieces never overlap.
+                unsafe { io::pread::run_direct_to_host(&files, &reads, opts.threads, &ctl, &dest) };
+            }
+            Engine::Pread => {
+                let reads = plan::plan(
+                    &group,
+                    PlanOptions {
+                        align: 1,
+                        max_read: slot,
+                        max_gap: 64 * 1024,
+                    },
+                );
+                io::pread::run_staged(&files, &reads, pool, opts.threads, &ctl, &deliver);
+            }
+            Engine::PreadDirect | Engine::Uring | Engine::Gds => {
+                let reads = plan::plan(
+                    &group,
+                    PlanOptions {
+                        align: DIRECT_ALIGN,
+                        max_read: slot,
+                        max_gap: 1 << 20,
+                    },
+                );
+                if engine == Engine::Uring {
+                    io::uring::run(&files, &reads, pool, opts.uring_depth, &ctl, &deliver);
+                } else {
+                    io::pread::run_staged(&files, &reads, pool, opts.threads, &ctl, &deliver);
+                }
+            }
+        }
+    }
+    let finished = sink.finish();
+    ctl.finish()?;
+    finished?;
+    Ok(Report {
+        bytes: total,
+        seconds: start.elapsed().as_secs_f64(),
+        files: reports,
+    })
+}
+
+fn check_extents(paths: &[PathBuf], extents: &[Extent], targets: &[Target]) -> Result<()> {
+    for e in extents {
+        if e.file >= paths.len() || e.dest >= targets.len() {
+            return Err(Error::InvalidArgument(format!(
+                "extent {e:?} names a missing file or destination"
+            )));
+        }
+        let fits = e
+            .dest_offset
+            .checked_add(e.len)
+            .is_some_and(|end| end <= targets[e.dest].len());
+        if !fits || e.offset.checked_add(e.len).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} bytes at offset {} do not fit destination {} ({} bytes at offset {})",
+                paths[e.file].display(),
+                e.len,
+                e.offset,
+                e.dest,
+                targets[e.dest].len(),
+                e.dest_offset
+            )));
+        }
+    }
+    Ok(())
+}

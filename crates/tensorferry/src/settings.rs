@@ -1,0 +1,56 @@
+//! Every environment variable the library reads, with its default, in one place.
+
+/// Engine policy: `auto`, `pread`, `direct`, `uring` or `gds`. Default `auto`.
+pub const ENGINE: &str = "TENSORFERRY_ENGINE";
+/// Reader threads for the pread engines. Default: the number of cores.
+pub const THREADS: &str = "TENSORFERRY_THREADS";
+/// Staging slot size in bytes (suffixes K, M, G allowed). Default 8 MiB.
+pub const SLOT_SIZE: &str = "TENSORFERRY_SLOT_SIZE";
+/// Number of staging slots. Default 16 (so 128 MiB of staging).
+pub const SLOTS: &str = "TENSORFERRY_SLOTS";
+/// `io_uring` queue depth. Default 32.
+pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
+/// Log filter for the CLI (`error`, `warn`, `info`, `debug`, `trace`). Default `warn`.
+pub const LOG: &str = "TENSORFERRY_LOG";
+
+/// Default staging slot size.
+pub const DEFAULT_SLOT_SIZE: usize = 8 << 20;
+/// Default number of staging slots.
+pub const DEFAULT_SLOTS: usize = 16;
+/// Default `io_uring` queue depth.
+pub const DEFAULT_URING_DEPTH: u32 = 32;
+/// Largest buffered read that lands straight in host memory (split for parallelism).
+pub const DIRECT_CHUNK: u64 = 8 << 20;
+
+/// Reads a variable, or `None` when unset or empty.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Parses a byte size: a number with an optional `K`, `M`, `G` (powers of 1024) suffix.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1u64 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<u64>().ok()?.checked_mul(mult)
+}
+
+/// Number of cores available to this process.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(4, std::num::NonZero::get)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(super::parse_size("8M"), Some(8 << 20));
+        assert_eq!(super::parse_size("4096"), Some(4096));
+        assert_eq!(super::parse_size("2g"), Some(2 << 30));
+        assert_eq!(super::parse_size("x"), None);
+    }
+}
