@@ -26,7 +26,7 @@ pub fn run(args: &Args) -> Result<()> {
     let probe_file = probe_file(&args.path)?;
     let direct = local::supports_direct(&probe_file);
     let (auto_engine, resident) = match LocalFile::open(&probe_file) {
-        Ok(f) if f.len() > 0 => {
+        Ok(f) if !f.is_empty() => {
             let (e, r) = tensorferry::pipeline::choose_engine(&probe_file, EngineChoice::Auto, &f);
             (Some(e.to_string()), r)
         }

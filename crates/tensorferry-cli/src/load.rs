@@ -55,6 +55,9 @@ pub fn run(args: &Args) -> Result<()> {
         opts.threads = t.max(1);
     }
     if let Some(dtype) = args.raw {
+        if device != Device::Cpu {
+            bail!("raw loads to {device} are not in the CLI yet; use the Python load_tensor API");
+        }
         let specs: Vec<(PathBuf, RawSpec)> = args
             .paths
             .iter()
@@ -71,7 +74,7 @@ pub fn run(args: &Args) -> Result<()> {
             .collect();
         let total = specs
             .iter()
-            .map(|(p, _)| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+            .map(|(p, _)| std::fs::metadata(p).map_or(0, |m| m.len()))
             .sum();
         let (loader, bar) = with_bar(opts, total, "raw", args.json);
         let (_tensors, report) = loader.load_raws(&specs)?;
@@ -87,7 +90,10 @@ pub fn run(args: &Args) -> Result<()> {
             &p.display().to_string(),
             args.json,
         );
-        let (_tensors, report) = loader.load_checkpoint(&ck)?;
+        let report = match device {
+            Device::Cpu => loader.load_checkpoint(&ck)?.1,
+            Device::Cuda(n) => loader.load_checkpoint_cuda(&ck, n)?.1,
+        };
         bar.finish();
         print_report(&p.display().to_string(), device, &report, args.json);
     }

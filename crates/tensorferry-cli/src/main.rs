@@ -58,10 +58,14 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            let top = e.to_string();
+            eprintln!("error: {top}");
             let mut source = e.source();
             while let Some(s) = source {
-                eprintln!("  caused by: {s}");
+                let s_text = s.to_string();
+                if !top.contains(&s_text) {
+                    eprintln!("  caused by: {s_text}");
+                }
                 source = s.source();
             }
             if let Some(hint) = hint(&e) {

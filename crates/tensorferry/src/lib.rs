@@ -42,5 +42,5 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use format::{Dtype, FormatError};
 pub use io::{Engine, EngineChoice};
-pub use loader::{HostTensor, LoadOptions, Loader};
+pub use loader::{DeviceTensor, HostTensor, LoadOptions, Loader};
 pub use pipeline::Report;

@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use crate::checkpoint::Checkpoint;
+use crate::device::cuda::{self, CudaSink, DeviceBuffer};
 use crate::device::host::AlignedBuf;
 use crate::device::staging::StagingPool;
 use crate::device::Device;
@@ -82,6 +83,18 @@ pub struct HostTensor {
     pub shape: Vec<u64>,
     /// The bytes, page-aligned.
     pub data: AlignedBuf,
+}
+
+/// A tensor loaded into CUDA memory allocated by this library, owning it.
+pub struct DeviceTensor {
+    /// Its name (empty for raw loads).
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// The device memory.
+    pub data: DeviceBuffer,
 }
 
 /// Loads tensors. Holds options and a staging pool that is allocated on first use and
@@ -165,6 +178,101 @@ impl Loader {
         Ok((out, report))
     }
 
+    /// Loads every tensor of a checkpoint into memory allocated on CUDA device `ordinal`,
+    /// sorted by name. When this returns, every copy is complete.
+    pub fn load_checkpoint_cuda(
+        &self,
+        ck: &Checkpoint,
+        ordinal: usize,
+    ) -> Result<(Vec<DeviceTensor>, Report)> {
+        let ctx = cuda::Context::get(ordinal)?;
+        let mut out = Vec::with_capacity(ck.tensors.len());
+        let mut extents = Vec::with_capacity(ck.tensors.len());
+        let mut targets = Vec::with_capacity(ck.tensors.len());
+        for (i, t) in ck.tensors.iter().enumerate() {
+            let data = DeviceBuffer::alloc(ctx, t.len() as usize)?;
+            targets.push(Target::Cuda {
+                device: ordinal,
+                ptr: data.ptr(),
+                len: t.len(),
+            });
+            out.push(DeviceTensor {
+                name: t.name().to_string(),
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                data,
+            });
+            extents.push(Extent {
+                file: t.file,
+                offset: t.file_offset,
+                len: t.len(),
+                dest: i,
+                dest_offset: 0,
+            });
+        }
+        // SAFETY: the targets are buffers we just allocated and own until return.
+        let report = unsafe { self.read_into_targets(&ck.files, &extents, &targets, None) }?;
+        Ok((out, report))
+    }
+
+    /// Reads `extents` of `paths` into `targets`, all host memory or all on one CUDA
+    /// device, choosing the copy stage to match. For CUDA targets, `after` is the caller's
+    /// stream (a `CUstream` as an integer): copies start after the work queued on it. When
+    /// this returns, every byte has landed (the copies are synchronised), so the targets
+    /// are ready on every stream.
+    ///
+    /// # Safety
+    /// Every target must be valid for writes of its length, and untouched by anyone else,
+    /// until this returns.
+    pub unsafe fn read_into_targets(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        targets: &[Target],
+        after: Option<u64>,
+    ) -> Result<Report> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.read_into_targets_with(paths, extents, targets, after, None, None) }
+    }
+
+    /// [`Loader::read_into_targets`] with a cancel flag and a progress callback for this
+    /// call alone (they override the loader's own).
+    ///
+    /// # Safety
+    /// As [`Loader::read_into_targets`].
+    pub unsafe fn read_into_targets_with(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        targets: &[Target],
+        after: Option<u64>,
+        cancel: Option<&AtomicBool>,
+        progress: Option<&ProgressFn>,
+    ) -> Result<Report> {
+        let device = match targets.first() {
+            Some(Target::Cuda { device, .. }) => Some(*device),
+            _ => None,
+        };
+        match device {
+            None => {
+                let sink = HostSink::new(targets)?;
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.run(paths, extents, targets, &sink, cancel, progress) }
+            }
+            Some(ordinal) => {
+                cuda::register_pool(&*self.staging()?)?;
+                let sink = CudaSink::new(
+                    ordinal,
+                    targets,
+                    settings::STREAMS_DEFAULT,
+                    after.map(|s| s as cudarc::driver::sys::CUstream),
+                )?;
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.run(paths, extents, targets, &sink, cancel, progress) }
+            }
+        }
+    }
+
     /// Loads a raw flat file (or part of it) into host memory.
     pub fn load_raw(&self, path: &Path, spec: RawSpec) -> Result<(HostTensor, Report)> {
         let mut v = self.load_raws(&[(path.to_path_buf(), spec)])?;
@@ -239,27 +347,37 @@ impl Loader {
         targets: &[Target],
         sink: &dyn Sink,
     ) -> Result<Report> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.run(paths, extents, targets, sink, None, None) }
+    }
+
+    unsafe fn run(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        targets: &[Target],
+        sink: &dyn Sink,
+        cancel: Option<&AtomicBool>,
+        progress: Option<&ProgressFn>,
+    ) -> Result<Report> {
         let pool = self.staging()?;
         let run = RunOptions {
             engine: self.opts.engine,
             threads: self.opts.threads,
             uring_depth: self.opts.uring_depth,
             direct_chunk: settings::DIRECT_CHUNK,
-            cancel: self.opts.cancel.as_deref(),
-            progress: self.opts.progress.as_deref(),
+            cancel: cancel.or(self.opts.cancel.as_deref()),
+            progress: progress.or(self.opts.progress.as_deref()),
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { pipeline::run(paths, extents, targets, sink, &pool, &run) }
     }
 
-    /// Where tensors go for `device`; only host memory is supported by this build's
-    /// Rust API (device destinations come through [`Loader::read_into`]).
+    /// Checks that `device` can be loaded to here (a CUDA device needs a driver).
     pub fn check_device(device: Device) -> Result<()> {
         match device {
             Device::Cpu => Ok(()),
-            Device::Cuda(_) => Err(Error::Unsupported(
-                "loading to CUDA needs a device sink (see the cuda module)".into(),
-            )),
+            Device::Cuda(n) => cuda::Context::get(n).map(|_| ()),
         }
     }
 }

@@ -6,7 +6,7 @@ pub const ENGINE: &str = "TENSORFERRY_ENGINE";
 pub const THREADS: &str = "TENSORFERRY_THREADS";
 /// Staging slot size in bytes (suffixes K, M, G allowed). Default 8 MiB.
 pub const SLOT_SIZE: &str = "TENSORFERRY_SLOT_SIZE";
-/// Number of staging slots. Default 16 (so 128 MiB of staging).
+/// Number of staging slots. Default 32 (so 256 MiB of staging).
 pub const SLOTS: &str = "TENSORFERRY_SLOTS";
 /// `io_uring` queue depth. Default 32.
 pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
@@ -16,9 +16,11 @@ pub const LOG: &str = "TENSORFERRY_LOG";
 /// Default staging slot size.
 pub const DEFAULT_SLOT_SIZE: usize = 8 << 20;
 /// Default number of staging slots.
-pub const DEFAULT_SLOTS: usize = 16;
+pub const DEFAULT_SLOTS: usize = 32;
 /// Default `io_uring` queue depth.
 pub const DEFAULT_URING_DEPTH: u32 = 32;
+/// CUDA streams the copy stage spreads host-to-device copies over.
+pub const STREAMS_DEFAULT: usize = 4;
 /// Largest buffered read that lands straight in host memory (split for parallelism).
 pub const DIRECT_CHUNK: u64 = 8 << 20;
 

@@ -2,11 +2,18 @@
 //! GPUDirect Storage's state. No call reaches the driver before its library is found, so a
 //! machine without CUDA gets an error, never a panic.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Mutex, OnceLock};
+use std::thread::JoinHandle;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::{result, sys, DriverError};
 
+use crate::device::staging::{Slot, StagingPool};
 use crate::error::{Error, Result};
+use crate::pipeline::{Sink, Target};
+use crate::plan::Read;
 
 /// Loads and initialises the driver once; `Err` when there is none.
 pub fn init() -> Result<()> {
@@ -56,7 +63,7 @@ pub fn devices() -> Result<Vec<GpuInfo>> {
             let total_mem = unsafe { result::device::total_mem(dev) }
                 .map_err(|e| Error::Cuda(e.to_string()))? as u64;
             Ok(GpuInfo {
-                ordinal: i as usize,
+                ordinal: usize::try_from(i).unwrap_or_default(),
                 name,
                 total_mem,
             })
@@ -88,5 +95,396 @@ pub fn gds_state() -> GdsState {
         GdsState::Real
     } else {
         GdsState::Compat
+    }
+}
+
+/// Turns a driver error into ours (out-of-memory gets its own kind).
+fn cu(what: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e: DriverError| {
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            Error::OutOfMemory(format!("{what}: {e}"))
+        } else {
+            Error::Cuda(format!("{what}: {e}"))
+        }
+    }
+}
+
+/// A device's primary context (the one PyTorch and the runtime API use), retained once
+/// per process and never released, so tensors from PyTorch and this library share it.
+#[derive(Debug)]
+pub struct Context {
+    ordinal: usize,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext handle may be used from any thread (made current per thread).
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// The primary context of device `ordinal`.
+    pub fn get(ordinal: usize) -> Result<&'static Context> {
+        static CTXS: OnceLock<Mutex<HashMap<usize, &'static Context>>> = OnceLock::new();
+        init()?;
+        let mut map = CTXS
+            .get_or_init(Default::default)
+            .lock()
+            .expect("context map");
+        if let Some(c) = map.get(&ordinal) {
+            return Ok(c);
+        }
+        let count = result::device::get_count().map_err(cu("cuDeviceGetCount"))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(Error::InvalidArgument(format!(
+                "cuda:{ordinal}: only {count} CUDA device(s) here"
+            )));
+        }
+        let dev = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX)).map_err(cu("cuDeviceGet"))?;
+        // SAFETY: `dev` comes from cuDeviceGet.
+        let ctx =
+            unsafe { result::primary_ctx::retain(dev) }.map_err(cu("cuDevicePrimaryCtxRetain"))?;
+        let c: &'static Context = Box::leak(Box::new(Context { ordinal, ctx }));
+        map.insert(ordinal, c);
+        Ok(c)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` is a retained primary context, valid for the process.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(cu("cuCtxSetCurrent"))
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        self.bind()?;
+        let (free, total) = result::mem_get_info().map_err(cu("cuMemGetInfo"))?;
+        Ok((free as u64, total as u64))
+    }
+}
+
+/// An owned CUDA stream (non-blocking with respect to the legacy default stream).
+pub struct Stream(sys::CUstream);
+
+// SAFETY: stream handles are thread-safe in the driver API.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A new stream in the current context.
+    pub fn new() -> Result<Self> {
+        result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map(Stream)
+            .map_err(cu("cuStreamCreate"))
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> sys::CUstream {
+        self.0
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream.
+        unsafe { result::stream::synchronize(self.0) }.map_err(cu("cuStreamSynchronize"))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: our own stream, destroyed once; pending work completes first (driver).
+        let _ = unsafe { result::stream::destroy(self.0) };
+    }
+}
+
+/// An owned CUDA event (timing disabled).
+pub struct Event(sys::CUevent);
+
+// SAFETY: event handles are thread-safe in the driver API.
+unsafe impl Send for Event {}
+
+impl Event {
+    fn new() -> Result<Self> {
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Event)
+            .map_err(cu("cuEventCreate"))
+    }
+    fn record(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: live event and stream of the current context.
+        unsafe { result::event::record(self.0, stream) }.map_err(cu("cuEventRecord"))
+    }
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live event.
+        unsafe { result::event::synchronize(self.0) }.map_err(cu("cuEventSynchronize"))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: our own event, destroyed once.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}
+
+/// Device memory allocated by this library (for Rust callers; Python callers give
+/// tensors allocated by PyTorch). Freed on drop.
+pub struct DeviceBuffer {
+    ctx: &'static Context,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: a device address; the driver API is thread-safe.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `ctx`'s device.
+    pub fn alloc(ctx: &'static Context, len: usize) -> Result<Self> {
+        ctx.bind()?;
+        // SAFETY: context bound; a zero-byte request is bumped to one byte.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(cu(&format!(
+            "allocating {len} bytes on cuda:{}",
+            ctx.ordinal
+        )))?;
+        Ok(Self { ctx, ptr, len })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `src` (pageable host memory) into the start of the buffer, synchronously.
+    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
+        if src.len() > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes do not fit a {}-byte buffer",
+                src.len(),
+                self.len
+            )));
+        }
+        self.ctx.bind()?;
+        if !src.is_empty() {
+            // SAFETY: the buffer is live and at least `src.len()` bytes long.
+            unsafe { result::memcpy_htod_sync(self.ptr, src) }.map_err(cu("cuMemcpyHtoD"))?;
+        }
+        Ok(())
+    }
+
+    /// Copies the buffer to host memory (synchronously).
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        self.ctx.bind()?;
+        let mut out = vec![0u8; self.len];
+        if self.len > 0 {
+            // SAFETY: `out` has `len` bytes; the buffer is live and `len` long.
+            unsafe { result::memcpy_dtoh_sync(&mut out, self.ptr) }.map_err(cu("cuMemcpyDtoH"))?;
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: our own allocation, freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Page-locks the staging pool's memory with `cuMemHostRegister` (once per pool), so
+/// host-to-device copies from it run at full PCIe speed and asynchronously.
+pub fn register_pool(pool: &StagingPool) -> Result<()> {
+    pool.register_once(|ptr, len| {
+        init()?;
+        // Registration needs a current context; the pool is portable across devices.
+        Context::get(0)?.bind()?;
+        // SAFETY: `ptr..ptr+len` is the pool's live anonymous mapping.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(cu(&format!("registering {len} bytes of staging memory")))?;
+        let addr = ptr as usize;
+        Ok(Box::new(move || {
+            // SAFETY: unregistering the registration made above, once, before unmapping.
+            let _ = unsafe { sys::cuMemHostUnregister(addr as *mut std::ffi::c_void) }.result();
+        }))
+    })
+}
+
+/// The copy stage for CUDA destinations: `cuMemcpyHtoDAsync` from the slot into every
+/// destination piece, on a few streams, then an event; a reclaimer thread gives each slot
+/// back to the pool when its event completes. `finish` waits for all copies.
+pub struct CudaSink<'a> {
+    ctx: &'static Context,
+    targets: &'a [Target],
+    streams: Vec<Stream>,
+    next: AtomicUsize,
+    pending: Mutex<Option<Sender<(Event, Slot)>>>,
+    reclaimer: Mutex<Option<JoinHandle<Result<()>>>>,
+    spare_events: std::sync::Arc<Mutex<Vec<Event>>>,
+}
+
+impl<'a> CudaSink<'a> {
+    /// A sink into `targets` (all on device `ordinal`) using `streams` streams. If
+    /// `after` is given (the caller's stream), copies start only after the work already
+    /// queued on it, so memory the caller's allocator just reused is safe to overwrite.
+    pub fn new(
+        ordinal: usize,
+        targets: &'a [Target],
+        streams: usize,
+        after: Option<sys::CUstream>,
+    ) -> Result<Self> {
+        for t in targets {
+            match t {
+                Target::Cuda { device, .. } if *device == ordinal => {}
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "CUDA sink for cuda:{ordinal} given another target"
+                    )))
+                }
+            }
+        }
+        let ctx = Context::get(ordinal)?;
+        ctx.bind()?;
+        let streams: Vec<Stream> = (0..streams.max(1))
+            .map(|_| Stream::new())
+            .collect::<Result<_>>()?;
+        if let Some(caller) = after {
+            let ev = Event::new()?;
+            ev.record(caller)?;
+            for s in &streams {
+                // SAFETY: live stream and event of the current context.
+                unsafe {
+                    result::stream::wait_event(
+                        s.raw(),
+                        ev.0,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(cu("cuStreamWaitEvent"))?;
+            }
+        }
+        let (tx, rx) = channel::<(Event, Slot)>();
+        let spare_events = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let spare = std::sync::Arc::clone(&spare_events);
+        let reclaimer = std::thread::Builder::new()
+            .name("tensorferry-reclaim".into())
+            .spawn(move || -> Result<()> {
+                ctx.bind()?;
+                let mut first_err = None;
+                for (event, slot) in rx {
+                    // The slot goes back only once the copies reading it are done.
+                    if let Err(e) = event.synchronize() {
+                        first_err.get_or_insert(e);
+                        // Never hand back a slot a failed context may still read.
+                        std::mem::forget(slot);
+                        continue;
+                    }
+                    drop(slot);
+                    spare.lock().expect("event pool").push(event);
+                }
+                first_err.map_or(Ok(()), Err)
+            })
+            .map_err(|e| Error::Unsupported(format!("spawning the reclaimer thread: {e}")))?;
+        Ok(Self {
+            ctx,
+            targets,
+            streams,
+            next: AtomicUsize::new(0),
+            pending: Mutex::new(Some(tx)),
+            reclaimer: Mutex::new(Some(reclaimer)),
+            spare_events,
+        })
+    }
+}
+
+impl Sink for CudaSink<'_> {
+    fn deliver(&self, read: &Read, mut slot: Slot) -> Result<()> {
+        self.ctx.bind()?;
+        let stream = &self.streams[self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len()];
+        let base = slot.as_mut_ptr();
+        let mut result = Ok(());
+        for p in &read.pieces {
+            let Target::Cuda { ptr, .. } = self.targets[p.dest] else {
+                unreachable!("checked in new")
+            };
+            // SAFETY: the source lies inside the slot (plan invariant), the destination
+            // range was checked against the target's length, and the slot is kept until
+            // the event recorded after these copies completes.
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr + p.dest_offset,
+                    base.add(p.buf_offset as usize).cast(),
+                    p.len as usize,
+                    stream.raw(),
+                )
+            }
+            .result()
+            .map_err(cu("cuMemcpyHtoDAsync"));
+            if r.is_err() {
+                result = r;
+                break;
+            }
+        }
+        let event = match self.spare_events.lock().expect("event pool").pop() {
+            Some(e) => e,
+            None => Event::new()?,
+        };
+        if let Err(e) = event.record(stream.raw()).and(result) {
+            // Some copies may be queued: wait for them before the slot can go back.
+            let _ = stream.synchronize();
+            return Err(e);
+        }
+        let tx = self.pending.lock().expect("pending lock");
+        if let Some(tx) = tx.as_ref() { tx
+        .send((event, slot))
+        .map_err(|_| Error::Cuda("reclaimer thread stopped".into())) } else {
+            event.synchronize()?;
+            Ok(())
+        }
+    }
+
+    fn host_ptr(&self, _dest: usize, _offset: u64) -> Option<*mut u8> {
+        None
+    }
+
+    fn finish(&self) -> Result<()> {
+        drop(self.pending.lock().expect("pending lock").take());
+        let handle = self.reclaimer.lock().expect("reclaimer lock").take();
+        let reclaimed = match handle {
+            Some(h) => h
+                .join()
+                .map_err(|_| Error::Cuda("reclaimer thread panicked".into()))?,
+            None => Ok(()),
+        };
+        self.ctx.bind()?;
+        for s in &self.streams {
+            s.synchronize()?;
+        }
+        reclaimed
+    }
+}
+
+impl Drop for CudaSink<'_> {
+    fn drop(&mut self) {
+        let _ = self.finish();
     }
 }

@@ -19,6 +19,19 @@ struct Inner {
     count: usize,
     free: Mutex<Vec<usize>>,
     returned: Condvar,
+    /// Undoes a driver registration (e.g. `cuMemHostUnregister`) before unmapping.
+    unregister: Mutex<Option<Unregister>>,
+}
+
+/// Undoes a registration of the pool's memory.
+pub type Unregister = Box<dyn FnOnce() + Send>;
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(undo) = self.unregister.lock().map(|mut u| u.take()).ok().flatten() {
+            undo();
+        }
+    }
 }
 
 // SAFETY: `base` points into `mem`, which lives as long as `Inner`; each slot's bytes are
@@ -42,6 +55,7 @@ impl StagingPool {
                 count,
                 free: Mutex::new((0..count).rev().collect()),
                 returned: Condvar::new(),
+                unregister: Mutex::new(None),
             }),
         })
     }
@@ -65,6 +79,20 @@ impl StagingPool {
     pub fn region(&self) -> (*mut u8, usize) {
         let _keep = self.inner.mem.lock();
         (self.inner.base, self.bytes())
+    }
+
+    /// Registers the pool's memory with a driver once: `register(base, len)` runs on the
+    /// first call only and returns what undoes it when the pool is freed. Later calls
+    /// return `Ok` at once.
+    pub fn register_once(
+        &self,
+        register: impl FnOnce(*mut u8, usize) -> Result<Unregister>,
+    ) -> Result<()> {
+        let mut slot = self.inner.unregister.lock().expect("staging pool lock");
+        if slot.is_none() {
+            *slot = Some(register(self.inner.base, self.bytes())?);
+        }
+        Ok(())
     }
 
     /// Address of slot `i` (for registering fixed buffers).

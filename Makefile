@@ -1,0 +1,37 @@
+# tensorferry: `make demo` runs the main job on sample data, `make test` runs every test.
+# `make help` lists the targets.
+
+CARGO ?= cargo
+PYTHON ?= python3
+BIN := target/release/tensorferry
+
+.PHONY: help demo test test-rust test-python build lint fmt bench fuzz clean
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+build: ## build the CLI (release)
+	$(CARGO) build --release -p tensorferry-cli
+
+demo: build ## make a sample sharded checkpoint and load it with tensorferry and a baseline
+	$(BIN) doctor demo-data 2>/dev/null || $(BIN) doctor
+	$(BIN) demo --size 1G --dir demo-data
+
+test: test-rust ## run every test (Rust, then Python)
+
+test-rust: ## Rust unit, property and integration tests
+	$(CARGO) test --workspace --all-targets
+
+lint: ## rustfmt and clippy, warnings as errors
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt: ## format the code
+	$(CARGO) fmt --all
+
+bench: build ## host-memory benchmark against safetensors and dd (2 GiB, warm and cold)
+	$(PYTHON) bench/host_bench.py --size 2G
+
+clean: ## remove build outputs and sample data
+	$(CARGO) clean
+	rm -rf demo-data

@@ -1,0 +1,410 @@
+//! Python bindings: conversions, exceptions and GIL release around the core library.
+//! No I/O logic lives here; `python/tensorferry/` builds the user-facing API on top.
+#![allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tensorferry::format::{safetensors, Dtype, RawSpec};
+use tensorferry::pipeline::{Report, Target};
+use tensorferry::plan::Extent;
+use tensorferry::{Checkpoint, EngineChoice, Error, LoadOptions, Loader};
+
+/// Maps a core error to the Python exception class of its kind, defined in
+/// `tensorferry.errors` (each also derives from the matching built-in exception).
+fn to_py(e: Error) -> PyErr {
+    Python::attach(|py| {
+        let (class, filename) = match &e {
+            Error::NotFound { path } => ("NotFoundError", Some(path.clone())),
+            Error::PermissionDenied { path } => ("PermissionDeniedError", Some(path.clone())),
+            Error::InvalidFile { path, .. } => ("InvalidFileError", Some(path.clone())),
+            Error::TensorNotFound { .. } => ("TensorNotFoundError", None),
+            Error::Io { path, .. } | Error::UnexpectedEof { path, .. } => {
+                ("ReadError", Some(path.clone()))
+            }
+            Error::InvalidArgument(_) => ("InvalidArgumentError", None),
+            Error::Unsupported(_) => ("UnsupportedError", None),
+            Error::Cuda(_) => ("CudaError", None),
+            Error::OutOfMemory(_) => ("OutOfMemoryError", None),
+            Error::Cancelled => ("CancelledError", None),
+            _ => ("TensorferryError", None),
+        };
+        let message = e.to_string();
+        let made = py
+            .import("tensorferry.errors")
+            .and_then(|m| m.getattr(class))
+            .and_then(|cls| {
+                let errno = match &e {
+                    Error::NotFound { .. } => Some(2),
+                    Error::PermissionDenied { .. } => Some(13),
+                    _ => None,
+                };
+                match (errno, filename) {
+                    // OSError subclasses take (errno, strerror, filename).
+                    (Some(n), Some(f)) => cls.call1((n, message.clone(), f.display().to_string())),
+                    _ => cls.call1((message.clone(),)),
+                }
+            });
+        match made {
+            Ok(obj) => PyErr::from_value(obj),
+            Err(_) => PyRuntimeError::new_err(message),
+        }
+    })
+}
+
+fn dtype_of(name: &str) -> PyResult<Dtype> {
+    name.parse::<Dtype>()
+        .map_err(|e| to_py(Error::InvalidArgument(e.to_string())))
+}
+
+/// Opens a checkpoint (file, index or directory) and returns its layout as a dict:
+/// `files`, `tensors` (name, dtype, shape, file index, file offset, length, begin, end;
+/// sorted by name), `metadata`, `sharded`.
+#[pyfunction]
+fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyDict>> {
+    let ck = py.detach(|| Checkpoint::open(&path)).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("path", ck.path.display().to_string())?;
+    d.set_item(
+        "files",
+        ck.files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>(),
+    )?;
+    let tensors = PyList::empty(py);
+    for t in &ck.tensors {
+        tensors.append((
+            t.name(),
+            t.dtype().name(),
+            t.shape().to_vec(),
+            t.file,
+            t.file_offset,
+            t.len(),
+            t.info.data_offsets.0,
+            t.info.data_offsets.1,
+        ))?;
+    }
+    d.set_item("tensors", tensors)?;
+    d.set_item("metadata", ck.metadata.clone())?;
+    d.set_item("sharded", ck.sharded)?;
+    Ok(d.unbind())
+}
+
+/// Parses a safetensors header from in-memory bytes (the whole serialized file).
+/// Returns `(data_start, [(name, dtype, shape, begin, end)] in file order, metadata)`.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn parse_header(
+    data: &[u8],
+) -> PyResult<(
+    u64,
+    Vec<(String, &'static str, Vec<u64>, u64, u64)>,
+    Option<std::collections::BTreeMap<String, String>>,
+)> {
+    let h = safetensors::parse_header(data, data.len() as u64)
+        .map_err(|e| to_py(Error::invalid(std::path::Path::new("<bytes>"), e)))?;
+    let tensors = h
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype.name(),
+                t.shape.clone(),
+                t.data_offsets.0,
+                t.data_offsets.1,
+            )
+        })
+        .collect();
+    Ok((h.data_start(), tensors, h.metadata))
+}
+
+/// Serializes a header as safetensors does. `tensors` is `[(name, dtype, shape)]`.
+/// Returns `(header bytes incl. the 8-byte length, [(name, begin, end)] in data order)`.
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata=None))]
+#[allow(clippy::type_complexity)]
+fn serialize_header(
+    py: Python<'_>,
+    tensors: Vec<(String, String, Vec<u64>)>,
+    metadata: Option<std::collections::BTreeMap<String, String>>,
+) -> PyResult<(Bound<'_, PyBytes>, Vec<(String, u64, u64)>)> {
+    let typed: Vec<(String, Dtype, Vec<u64>)> = tensors
+        .into_iter()
+        .map(|(n, d, s)| Ok((n, dtype_of(&d)?, s)))
+        .collect::<PyResult<_>>()?;
+    let (bytes, infos) = safetensors::serialize_header(&typed, metadata.as_ref())
+        .map_err(|e| to_py(Error::InvalidArgument(e.to_string())))?;
+    let order = infos
+        .into_iter()
+        .map(|i| (i.name, i.data_offsets.0, i.data_offsets.1))
+        .collect();
+    Ok((PyBytes::new(py, &bytes), order))
+}
+
+/// Byte range `(offset, length)` of a raw tensor in a file, checked against its size.
+#[pyfunction]
+#[pyo3(signature = (path, dtype, num_elements=None, offset=0))]
+fn raw_range(
+    py: Python<'_>,
+    path: PathBuf,
+    dtype: &str,
+    num_elements: Option<u64>,
+    offset: u64,
+) -> PyResult<(u64, u64)> {
+    let dtype = dtype_of(dtype)?;
+    py.detach(|| {
+        let len = std::fs::metadata(&path)
+            .map_err(|e| Error::io(&path, "stat", 0, e))?
+            .len();
+        RawSpec {
+            offset,
+            num_elements,
+            dtype,
+        }
+        .byte_range(len)
+        .map_err(|e| Error::invalid(&path, e))
+    })
+    .map_err(to_py)
+}
+
+/// Drops a file's pages from the page cache (for cold-load benchmarks).
+#[pyfunction]
+fn drop_cache(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    py.detach(|| tensorferry::source::LocalFile::open(&path)?.drop_cache())
+        .map_err(to_py)
+}
+
+/// Holds options and a staging pool; `read_into` runs one load with the GIL released.
+#[pyclass(module = "tensorferry._native", frozen)]
+struct NativeLoader {
+    inner: Arc<Loader>,
+}
+
+fn report_dict(py: Python<'_>, r: &Report) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("gbps", r.gbps())?;
+    let files = PyList::empty(py);
+    for f in &r.files {
+        let fd = PyDict::new(py);
+        fd.set_item("path", f.path.display().to_string())?;
+        fd.set_item("engine", f.engine.to_string())?;
+        fd.set_item("bytes", f.bytes)?;
+        fd.set_item("resident", f.resident)?;
+        files.append(fd)?;
+    }
+    d.set_item("files", files)?;
+    Ok(d.unbind())
+}
+
+#[pymethods]
+impl NativeLoader {
+    #[new]
+    #[pyo3(signature = (engine=None, threads=None, slot_size=None, slots=None, uring_depth=None))]
+    fn new(
+        engine: Option<&str>,
+        threads: Option<usize>,
+        slot_size: Option<usize>,
+        slots: Option<usize>,
+        uring_depth: Option<u32>,
+    ) -> PyResult<Self> {
+        let mut o = LoadOptions::default();
+        if let Some(e) = engine {
+            o.engine = e.parse::<EngineChoice>().map_err(to_py)?;
+        }
+        if let Some(t) = threads {
+            o.threads = t.max(1);
+        }
+        if let Some(s) = slot_size {
+            o.slot_size = s;
+        }
+        if let Some(s) = slots {
+            o.slots = s.max(1);
+        }
+        if let Some(d) = uring_depth {
+            o.uring_depth = d.max(1);
+        }
+        Ok(Self {
+            inner: Arc::new(Loader::new(o)),
+        })
+    }
+
+    /// The options as a dict.
+    fn options(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let o = self.inner.options();
+        let d = PyDict::new(py);
+        d.set_item("engine", o.engine.to_string())?;
+        d.set_item("threads", o.threads)?;
+        d.set_item("slot_size", o.slot_size)?;
+        d.set_item("slots", o.slots)?;
+        d.set_item("uring_depth", o.uring_depth)?;
+        Ok(d.unbind())
+    }
+
+    /// Reads `extents` `(file, offset, length, target, target_offset)` of `files` into
+    /// `targets` `(kind, device, address, length)` (kind `"cpu"` or `"cuda"`). The load runs
+    /// on a worker thread with the GIL released; this thread wakes every 50 ms to deliver
+    /// `progress(done, total)` and to notice Ctrl-C, which cancels the load (the worker is
+    /// always joined before returning, so no write outlives the call). `stream` is the
+    /// caller's CUDA stream: copies start after work already queued on it.
+    #[pyo3(signature = (files, extents, targets, stream=None, progress=None))]
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        files: Vec<PathBuf>,
+        extents: Vec<(usize, u64, u64, usize, u64)>,
+        targets: Vec<(String, usize, u64, u64)>,
+        stream: Option<u64>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Py<PyDict>> {
+        let targets: Vec<Target> = targets
+            .into_iter()
+            .map(|(kind, device, ptr, len)| match kind.as_str() {
+                "cpu" => Ok(Target::Host {
+                    ptr: ptr as usize as *mut u8,
+                    len,
+                }),
+                "cuda" => Ok(Target::Cuda { device, ptr, len }),
+                other => Err(to_py(Error::InvalidArgument(format!(
+                    "target kind {other:?}"
+                )))),
+            })
+            .collect::<PyResult<_>>()?;
+        let extents: Vec<Extent> = extents
+            .into_iter()
+            .map(|(file, offset, len, dest, dest_offset)| Extent {
+                file,
+                offset,
+                len,
+                dest,
+                dest_offset,
+            })
+            .collect();
+        let total: u64 = extents.iter().map(|e| e.len).sum();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicU64::new(0));
+        let loader = Arc::clone(&self.inner);
+        let (tx, rx) = mpsc::channel();
+        let (c, d) = (Arc::clone(&cancel), Arc::clone(&done));
+        let worker = std::thread::Builder::new()
+            .name("tensorferry-load".into())
+            .spawn(move || {
+                let counter = move |n: u64, _total: u64| d.store(n, Ordering::Relaxed);
+                // SAFETY: the Python caller keeps the target tensors alive and unused until
+                // this call returns, and this call never returns before the worker ends.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+                    loader.read_into_targets_with(
+                        &files,
+                        &extents,
+                        &targets,
+                        stream,
+                        Some(&c),
+                        Some(&counter),
+                    )
+                }));
+                let _ = tx.send(r);
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("spawning the load thread: {e}")))?;
+        let progress_cb = progress.as_ref().map(|p| p.clone_ref(py));
+        let (outcome, interrupted) = py.detach(move || {
+            let mut interrupted: Option<PyErr> = None;
+            let outcome = loop {
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(r) => break r,
+                    Err(mpsc::RecvTimeoutError::Timeout) => Python::attach(|py| {
+                        if interrupted.is_none() {
+                            if let Err(e) = py.check_signals() {
+                                cancel.store(true, Ordering::Relaxed);
+                                interrupted = Some(e);
+                            }
+                        }
+                        if let Some(cb) = &progress_cb {
+                            if let Err(e) = cb.call1(py, (done.load(Ordering::Relaxed), total)) {
+                                cancel.store(true, Ordering::Relaxed);
+                                interrupted.get_or_insert(e);
+                            }
+                        }
+                    }),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        break Err(Box::new("load thread ended without a result")
+                            as Box<dyn std::any::Any + Send>)
+                    }
+                }
+            };
+            (outcome, interrupted)
+        });
+        let _ = worker.join();
+        if let Some(e) = interrupted {
+            return Err(e);
+        }
+        match outcome {
+            Ok(Ok(report)) => {
+                if let Some(cb) = &progress {
+                    cb.call1(py, (report.bytes, total))?;
+                }
+                report_dict(py, &report)
+            }
+            Ok(Err(e)) => Err(to_py(e)),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(to_py(Error::Cuda(format!(
+                    "internal error (please report): {what}"
+                ))))
+            }
+        }
+    }
+}
+
+/// What this machine offers: io_uring, CUDA driver and devices, GDS.
+#[pyfunction]
+fn doctor(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item(
+        "io_uring",
+        tensorferry::io::uring::available()
+            .as_ref()
+            .err()
+            .cloned()
+            .unwrap_or_else(|| "available".into()),
+    )?;
+    match tensorferry::device::cuda::devices() {
+        Ok(g) => d.set_item(
+            "gpus",
+            g.iter()
+                .map(|x| (x.ordinal, x.name.clone(), x.total_mem))
+                .collect::<Vec<_>>(),
+        )?,
+        Err(e) => d.set_item("cuda", e.to_string())?,
+    }
+    d.set_item(
+        "gds",
+        format!("{:?}", tensorferry::device::cuda::gds_state()).to_lowercase(),
+    )?;
+    d.set_item("cores", tensorferry::settings::cores())?;
+    Ok(d.unbind())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeLoader>()?;
+    m.add_function(wrap_pyfunction!(open_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_header, m)?)?;
+    m.add_function(wrap_pyfunction!(serialize_header, m)?)?;
+    m.add_function(wrap_pyfunction!(raw_range, m)?)?;
+    m.add_function(wrap_pyfunction!(drop_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(doctor, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

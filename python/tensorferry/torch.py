@@ -1,0 +1,205 @@
+"""Drop-in for ``safetensors.torch``: ``load_file``, ``load``, ``save_file``, ``save``,
+plus the raw-file API (``load_tensor``, ``load_tensors``, ``load_tensor_timed``).
+
+Every tensor returned is allocated by PyTorch's own allocator on the target device and
+owns its memory (no staging buffer is aliased, no ``clone()`` is needed). CUDA tensors
+are complete when a call returns: the copies are synchronised, so they are ready on
+every stream, and they start only after work already queued on the current stream.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+
+from . import _core, _native
+from ._core import Loader, ProgressCallback, default_loader
+from .errors import InvalidArgumentError, UnsupportedError
+
+_BY_NAME: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
+    "F64": torch.float64, "I64": torch.int64, "C64": torch.complex64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        _BY_NAME[_name] = getattr(torch, _attr)
+_BY_DTYPE = {v: k for k, v in _BY_NAME.items()}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnsupportedError(f"dtype {name} has no torch equivalent in torch {torch.__version__}") from None
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return _native_name(dtype)
+    try:
+        return _BY_DTYPE[dtype]
+    except KeyError:
+        raise InvalidArgumentError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def _native_name(s: str) -> str:
+    s2 = s.replace("torch.", "")
+    if hasattr(torch, s2) and isinstance(getattr(torch, s2), torch.dtype):
+        return _dtype_name(getattr(torch, s2))
+    return s.upper()
+
+
+def _device(device: Any) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    d = torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedError(f"device {device!r}: torch sees no CUDA device")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    elif d.type != "cpu":
+        raise InvalidArgumentError(f"device {device!r}: tensorferry loads to cpu or cuda")
+    return d
+
+
+class _Torch(_core.Adapter):
+    name = "pt"
+
+    def device(self, device: Any) -> torch.device:
+        return _device(device)
+
+    def empty(self, shape, dtype, device):
+        return torch.empty(tuple(shape), dtype=_torch_dtype(dtype), device=device)
+
+    def target(self, t: torch.Tensor):
+        if not t.is_contiguous():
+            raise InvalidArgumentError("tensor must be contiguous")
+        kind = "cuda" if t.is_cuda else "cpu"
+        if kind == "cpu" and t.device.type != "cpu":
+            raise InvalidArgumentError(f"tensors on {t.device} are not supported")
+        return (kind, t.device.index or 0, t.data_ptr(), t.numel() * t.element_size())
+
+    def stream(self, device):
+        if device.type == "cuda":
+            return torch.cuda.current_stream(device).cuda_stream
+        return None
+
+    def from_bytes(self, data, dtype, shape, device):
+        dt = _torch_dtype(dtype)
+        if len(data) == 0:
+            return torch.empty(tuple(shape), dtype=dt, device=device)
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(tuple(shape))
+        return t.to(device) if device.type != "cpu" else t
+
+    def to_host_bytes(self, t: torch.Tensor) -> memoryview:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.reshape(-1)
+        if flat.numel() == 0:
+            return memoryview(b"")
+        return memoryview(flat.view(torch.uint8).numpy())
+
+    def describe(self, t: torch.Tensor):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise InvalidArgumentError(f"sparse tensors ({t.layout}) cannot be saved; call .to_dense() first")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(
+                "a tensor is not contiguous; call .contiguous() on it first (as safetensors requires)")
+        return _dtype_name(t.dtype), list(t.shape)
+
+
+_AD = _Torch()
+
+
+def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuses tensors that share memory, as safetensors does."""
+    spans = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        spans.append((t.device, start, start + t.numel() * t.element_size(), name))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise InvalidArgumentError(
+                f"tensors {a[3]!r} and {b[3]!r} share memory; safetensors files cannot hold shared "
+                "tensors: save copies (e.g. {k: v.clone() ...}) or drop the duplicates")
+
+
+def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = None, progress: bool = False,
+              on_progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+    """Loads a safetensors file, a sharded checkpoint's index, or a directory holding one,
+    in one submission. Same keys (sorted), dtypes, shapes and values as
+    ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
+    int or a ``torch.device``."""
+    layout = _core.Layout(filename)
+    return _core.load_layout(_AD, layout, layout.keys(), device, loader, progress, on_progress)
+
+
+def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """Deserializes safetensors bytes (as ``safetensors.torch.load``)."""
+    return _core.load_bytes(_AD, data, device)
+
+
+def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
+    """Saves tensors (on any device) as a safetensors file with the reference layout.
+    The file appears under ``filename`` only once whole and synced."""
+    _check_shared(tensors)
+    _core.save_tensors(_AD, tensors, filename, metadata)
+
+
+def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Serializes tensors to safetensors bytes (as ``safetensors.torch.save``)."""
+    _check_shared(tensors)
+    return _core.save_bytes(_AD, tensors, metadata)
+
+
+def load_tensors(specs: Sequence[Any], dtype: Any = torch.float32, device: Any = "cuda", *,
+                 loader: Loader | None = None, progress: bool = False,
+                 on_progress: ProgressCallback | None = None) -> list[torch.Tensor]:
+    """Loads raw flat files in one submission. Each spec is a path (whole file),
+    ``(path, num_elements)`` or ``(path, num_elements, offset)``; returns 1-D tensors."""
+    name = _dtype_name(dtype)
+    dev = _device(device)
+    loader = loader or default_loader()
+    files: list[str] = []
+    out, extents, targets = [], [], []
+    for i, (path, n, off) in enumerate(_core.raw_specs(specs)):
+        offset, length = _native.raw_range(path, name, n, off)
+        if path not in files:
+            files.append(path)
+        t = torch.empty(length // _torch_dtype(name).itemsize, dtype=_torch_dtype(name), device=dev)
+        out.append(t)
+        targets.append(_AD.target(t))
+        extents.append((files.index(path), offset, length, i, 0))
+    loader.read_into(files, extents, targets, _AD.stream(dev), progress, on_progress, "raw")
+    return out
+
+
+def load_tensor(path: Any, num_elements: int | None = None, dtype: Any = torch.float32, device: Any = "cuda",
+                offset: int = 0, *, loader: Loader | None = None) -> torch.Tensor:
+    """Loads ``num_elements`` elements of ``dtype`` at byte ``offset`` of a raw file (the
+    rest of the file when ``num_elements`` is None) into a new 1-D tensor."""
+    return load_tensors([(os.fspath(path), num_elements, offset)], dtype, device, loader=loader)[0]
+
+
+def load_tensor_timed(path: Any, num_elements: int | None = None, dtype: Any = torch.float32,
+                      device: Any = "cuda", offset: int = 0, *,
+                      loader: Loader | None = None) -> tuple[torch.Tensor, float]:
+    """``load_tensor`` and the seconds it took (tensor ready when timed)."""
+    t0 = time.perf_counter()
+    t = load_tensor(path, num_elements, dtype, device, offset, loader=loader)
+    return t, time.perf_counter() - t0
+
+
+__all__ = ["load_file", "load", "save_file", "save", "load_tensor", "load_tensors", "load_tensor_timed"]
