@@ -101,8 +101,16 @@ impl Checkpoint {
     fn open_index(idx_path: &Path, dir: &Path) -> Result<Self> {
         let bytes = std::fs::read(idx_path).map_err(|e| Error::io(idx_path, "read", 0, e))?;
         let idx = index::parse_index(&bytes).map_err(|e| Error::invalid(idx_path, e))?;
-        let shards: Vec<PathBuf> = idx.shards().iter().map(|s| dir.join(s)).collect();
-        let mut ck = Self::from_files(idx_path, shards, idx.metadata.as_ref(), true)?;
+        // One file per path, however the index spells it (`a`, `./a`): paths compare by
+        // components.
+        let mut shards: Vec<PathBuf> = Vec::new();
+        for s in idx.shards() {
+            let p = dir.join(s);
+            if !shards.contains(&p) {
+                shards.push(p);
+            }
+        }
+        let mut ck = Self::from_files(idx_path, shards, Some(&idx), true)?;
         // The index is the truth: every tensor it lists must be in its shard, and only
         // those tensors are part of the checkpoint.
         let shard_of: BTreeMap<&str, PathBuf> = idx
@@ -133,9 +141,10 @@ impl Checkpoint {
     fn from_files(
         path: &Path,
         files: Vec<PathBuf>,
-        index_meta: Option<&serde_json::Map<String, serde_json::Value>>,
+        index: Option<&index::Index>,
         sharded: bool,
     ) -> Result<Self> {
+        let index_meta = index.and_then(|i| i.metadata.as_ref());
         let mut headers = Vec::with_capacity(files.len());
         let mut file_lens = Vec::with_capacity(files.len());
         let mut tensors = Vec::new();
@@ -156,7 +165,8 @@ impl Checkpoint {
             .windows(2)
             .find(|w| w[0].info.name == w[1].info.name)
         {
-            if index_meta.is_none() {
+            // With an index, the index says which copy counts (see `open_index`).
+            if index.is_none() {
                 return Err(Error::invalid(
                     &files[w[1].file],
                     FormatError::DuplicateTensor {

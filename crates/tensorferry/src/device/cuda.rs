@@ -140,7 +140,8 @@ impl Context {
                 "cuda:{ordinal}: only {count} CUDA device(s) here"
             )));
         }
-        let dev = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX)).map_err(cu("cuDeviceGet"))?;
+        let dev = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX))
+            .map_err(cu("cuDeviceGet"))?;
         // SAFETY: `dev` comes from cuDeviceGet.
         let ctx =
             unsafe { result::primary_ctx::retain(dev) }.map_err(cu("cuDevicePrimaryCtxRetain"))?;
@@ -454,9 +455,10 @@ impl Sink for CudaSink<'_> {
             return Err(e);
         }
         let tx = self.pending.lock().expect("pending lock");
-        if let Some(tx) = tx.as_ref() { tx
-        .send((event, slot))
-        .map_err(|_| Error::Cuda("reclaimer thread stopped".into())) } else {
+        if let Some(tx) = tx.as_ref() {
+            tx.send((event, slot))
+                .map_err(|_| Error::Cuda("reclaimer thread stopped".into()))
+        } else {
             event.synchronize()?;
             Ok(())
         }

@@ -22,6 +22,8 @@ pub enum Dtype {
     F8_E5M2,
     F8_E4M3,
     F8_E8M0,
+    F8_E4M3FNUZ,
+    F8_E5M2FNUZ,
     I16,
     U16,
     F16,
@@ -38,7 +40,7 @@ pub enum Dtype {
 impl Dtype {
     /// Every dtype, in the order safetensors declares them (which is also the order it
     /// sorts tensors of equal alignment by when writing).
-    pub const ALL: [Dtype; 20] = [
+    pub const ALL: [Dtype; 22] = [
         Dtype::BOOL,
         Dtype::F4,
         Dtype::F6_E2M3,
@@ -48,6 +50,8 @@ impl Dtype {
         Dtype::F8_E5M2,
         Dtype::F8_E4M3,
         Dtype::F8_E8M0,
+        Dtype::F8_E4M3FNUZ,
+        Dtype::F8_E5M2FNUZ,
         Dtype::I16,
         Dtype::U16,
         Dtype::F16,
@@ -71,7 +75,9 @@ impl Dtype {
             | Dtype::I8
             | Dtype::F8_E5M2
             | Dtype::F8_E4M3
-            | Dtype::F8_E8M0 => 8,
+            | Dtype::F8_E8M0
+            | Dtype::F8_E4M3FNUZ
+            | Dtype::F8_E5M2FNUZ => 8,
             Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 16,
             Dtype::I32 | Dtype::U32 | Dtype::F32 => 32,
             Dtype::C64 | Dtype::F64 | Dtype::I64 | Dtype::U64 => 64,
@@ -100,6 +106,8 @@ impl Dtype {
             Dtype::F8_E5M2 => "F8_E5M2",
             Dtype::F8_E4M3 => "F8_E4M3",
             Dtype::F8_E8M0 => "F8_E8M0",
+            Dtype::F8_E4M3FNUZ => "F8_E4M3FNUZ",
+            Dtype::F8_E5M2FNUZ => "F8_E5M2FNUZ",
             Dtype::I16 => "I16",
             Dtype::U16 => "U16",
             Dtype::F16 => "F16",
@@ -165,6 +173,8 @@ impl FromStr for Dtype {
             "f8_e4m3" | "float8_e4m3fn" => Dtype::F8_E4M3,
             "f8_e5m2" | "float8_e5m2" => Dtype::F8_E5M2,
             "f8_e8m0" | "float8_e8m0fnu" => Dtype::F8_E8M0,
+            "f8_e4m3fnuz" | "float8_e4m3fnuz" => Dtype::F8_E4M3FNUZ,
+            "f8_e5m2fnuz" | "float8_e5m2fnuz" => Dtype::F8_E5M2FNUZ,
             _ => {
                 return Err(FormatError::UnknownDtype {
                     dtype: s.to_string(),

@@ -131,7 +131,11 @@ pub fn parse_header(prefix: &[u8], file_len: u64) -> Result<Header, FormatError>
             .then_with(|| a.name.cmp(&b.name))
     });
     let data_len = validate(&tensors)?;
-    let expected = 8 + n + data_len;
+    let expected = (8 + n)
+        .checked_add(data_len)
+        .ok_or_else(|| FormatError::Overflow {
+            what: "header + data section length".into(),
+        })?;
     if expected != file_len {
         return Err(FormatError::DataLengthMismatch {
             expected,
@@ -293,13 +297,18 @@ pub fn serialize_header(
                 what: format!("shape of tensor {name:?}"),
             })?;
         let len = dtype.bytes_for(elements).map_err(|e| e.for_tensor(name))?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| FormatError::Overflow {
+                what: format!("data offsets of tensor {name:?}"),
+            })?;
         let info = TensorInfo {
             name: name.clone(),
             dtype: *dtype,
             shape: shape.clone(),
-            data_offsets: (offset, offset + len),
+            data_offsets: (offset, end),
         };
-        offset += len;
+        offset = end;
         if out.len() > 1 {
             out.push(',');
         }
