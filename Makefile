@@ -3,6 +3,7 @@
 
 CARGO ?= cargo
 PYTHON ?= python3
+MATURIN ?= maturin
 BIN := target/release/tensorferry
 
 .PHONY: help demo test test-rust test-python build lint fmt bench fuzz clean
@@ -17,10 +18,15 @@ demo: build ## make a sample sharded checkpoint and load it with tensorferry and
 	$(BIN) doctor demo-data 2>/dev/null || $(BIN) doctor
 	$(BIN) demo --size 1G --dir demo-data
 
-test: test-rust ## run every test (Rust, then Python)
+test: test-rust test-python ## run every test (Rust, then Python)
 
 test-rust: ## Rust unit, property and integration tests
 	$(CARGO) test --workspace --all-targets
+
+test-python: ## build and install the wheel, then run the Python tests (pip install -r python/requirements-test.txt first)
+	$(MATURIN) build --release -o target/wheels
+	$(PYTHON) -m pip install -q --force-reinstall --no-deps "$$(ls -t target/wheels/tensorferry-*.whl | head -n 1)"
+	$(PYTHON) -m pytest -q python/tests
 
 lint: ## rustfmt and clippy, warnings as errors
 	$(CARGO) fmt --all -- --check

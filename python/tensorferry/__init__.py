@@ -89,9 +89,10 @@ class safe_open:  # noqa: N801 - the name safetensors uses
         return _convert(self._framework, t)
 
     def get_tensors(self, names: list[str] | None = None) -> dict[str, Any]:
-        """Loads several tensors (all when ``names`` is None) in one submission."""
+        """Loads several tensors (all, in file order as safetensors gives them, when
+        ``names`` is None) in one submission."""
         from . import _core
-        out = _core.load_layout(self._ad, self._layout, names if names is not None else self.keys(),
+        out = _core.load_layout(self._ad, self._layout, names if names is not None else self.offset_keys(),
                                 self._device, self._loader)
         return {k: _convert(self._framework, v) for k, v in out.items()}
 
@@ -144,7 +145,8 @@ class _Slice:
 
 
 def _bits(dtype: str) -> int:
-    return {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+    return {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+            "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
             "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
             "U64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}[dtype]
 

@@ -15,6 +15,12 @@ from . import _native
 from .errors import InvalidArgumentError
 
 ProgressCallback = Callable[[int, int], None]
+_DEBUG = os.environ.get("TENSORFERRY_LOG", "") in ("debug", "trace")
+
+
+def _debug(msg: str) -> None:
+    if _DEBUG:
+        print(f"[tensorferry DEBUG] {msg}", file=sys.stderr)
 
 
 class Adapter:
@@ -173,6 +179,7 @@ def load_layout(ad: Adapter, layout: Layout, names: Iterable[str], device: Any, 
     """Loads the named tensors of a checkpoint in one submission."""
     loader = loader or default_loader()
     dev = ad.device(device)
+    t0 = time.perf_counter()
     out, extents, targets = {}, [], []
     for i, name in enumerate(names):
         dtype, shape, file, offset, length, _, _ = layout.entry(name)
@@ -180,6 +187,7 @@ def load_layout(ad: Adapter, layout: Layout, names: Iterable[str], device: Any, 
         out[name] = arr
         targets.append(ad.target(arr))
         extents.append((file, offset, length, i, 0))
+    _debug(f"allocated {len(out)} tensors on {dev} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
     loader.read_into(layout.files, extents, targets, ad.stream(dev), progress, on_progress, os.path.basename(layout.path))
     return {n: ad.finish(a, layout.tensors[n][0], layout.tensors[n][1]) for n, a in out.items()}
 
@@ -192,7 +200,8 @@ def load_bytes(ad: Adapter, data: bytes, device: Any) -> dict[str, Any]:
     dev = ad.device(device)
     mv = memoryview(data)
     out = {}
-    for name, dtype, shape, begin, end in sorted(tensors):
+    # File (data) order, as load_file gives them; names break ties between empty tensors.
+    for name, dtype, shape, begin, end in sorted(tensors, key=lambda t: (t[3], t[0])):
         out[name] = ad.from_bytes(mv[start + begin:start + end], dtype, shape, dev)
     return out
 

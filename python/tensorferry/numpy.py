@@ -21,7 +21,10 @@ _BY_NAME: dict[str, Any] = {
 try:  # optional: bf16 / fp8 as ml_dtypes defines them
     import ml_dtypes as _ml
 
-    _BY_NAME.update({"BF16": _ml.bfloat16, "F8_E4M3": _ml.float8_e4m3fn, "F8_E5M2": _ml.float8_e5m2})
+    for _name, _attr in (("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                         ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+        if hasattr(_ml, _attr):
+            _BY_NAME[_name] = getattr(_ml, _attr)
 except ImportError:
     pass
 _BY_DTYPE = {np.dtype(v): k for k, v in _BY_NAME.items()}
@@ -73,7 +76,7 @@ def load_file(filename: Any, *, loader: Loader | None = None, progress: bool = F
               on_progress: ProgressCallback | None = None) -> dict[str, np.ndarray]:
     """Loads a safetensors file (or sharded checkpoint) into numpy arrays."""
     layout = _core.Layout(filename)
-    return _core.load_layout(_AD, layout, layout.keys(), "cpu", loader, progress, on_progress)
+    return _core.load_layout(_AD, layout, layout.offset_keys(), "cpu", loader, progress, on_progress)
 
 
 def load(data: bytes) -> dict[str, np.ndarray]:

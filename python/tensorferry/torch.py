@@ -25,7 +25,8 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
                      ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-                     ("F8_E8M0", "float8_e8m0fnu")):
+                     ("F8_E8M0", "float8_e8m0fnu"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+                     ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
     if hasattr(torch, _attr):
         _BY_NAME[_name] = getattr(torch, _attr)
 _BY_DTYPE = {v: k for k, v in _BY_NAME.items()}
@@ -55,9 +56,11 @@ def _native_name(s: str) -> str:
 
 
 def _device(device: Any) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    d = torch.device(device)
+    try:
+        # an int is a CUDA ordinal, as in torch
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device {device!r}: {e}") from None
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise UnsupportedError(f"device {device!r}: torch sees no CUDA device")
@@ -122,9 +125,12 @@ _AD = _Torch()
 
 def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
     """Refuses tensors that share memory, as safetensors does."""
+    if not isinstance(tensors, dict):
+        return  # serialize() says what is wrong
     spans = []
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        # non-tensors and sparse tensors (no data pointer) are refused by describe()
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
             continue
         start = t.data_ptr()
         spans.append((t.device, start, start + t.numel() * t.element_size(), name))
@@ -139,11 +145,11 @@ def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
 def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = None, progress: bool = False,
               on_progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
     """Loads a safetensors file, a sharded checkpoint's index, or a directory holding one,
-    in one submission. Same keys (sorted), dtypes, shapes and values as
-    ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
+    in one submission. Same keys, in the same order (the order of the data in the file),
+    dtypes, shapes and values as ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
     int or a ``torch.device``."""
     layout = _core.Layout(filename)
-    return _core.load_layout(_AD, layout, layout.keys(), device, loader, progress, on_progress)
+    return _core.load_layout(_AD, layout, layout.offset_keys(), device, loader, progress, on_progress)
 
 
 def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:

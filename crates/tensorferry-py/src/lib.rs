@@ -396,8 +396,41 @@ fn doctor(py: Python<'_>) -> PyResult<Py<PyDict>> {
     Ok(d.unbind())
 }
 
+/// Writes the library's log records to stderr when `TENSORFERRY_LOG` asks for them
+/// (`error`, `warn`, `info`, `debug`, `trace`).
+struct StderrLog;
+
+impl log::Log for StderrLog {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.target().starts_with("tensorferry")
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            eprintln!("[tensorferry {}] {}", r.level(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+static STDERR_LOG: StderrLog = StderrLog;
+
+fn init_log() {
+    let level = match tensorferry::settings::var(tensorferry::settings::LOG).as_deref() {
+        Some("error") => log::LevelFilter::Error,
+        Some("warn") => log::LevelFilter::Warn,
+        Some("info") => log::LevelFilter::Info,
+        Some("debug") => log::LevelFilter::Debug,
+        Some("trace") => log::LevelFilter::Trace,
+        _ => return,
+    };
+    if log::set_logger(&STDERR_LOG).is_ok() {
+        log::set_max_level(level);
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_log();
     m.add_class::<NativeLoader>()?;
     m.add_function(wrap_pyfunction!(open_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(parse_header, m)?)?;

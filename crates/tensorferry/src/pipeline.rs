@@ -257,6 +257,11 @@ pub unsafe fn run(
         }
     }
     let total: u64 = extents.iter().map(|e| e.len).sum();
+    log::debug!(
+        "opened {} file(s) and chose engines in {:.1} ms",
+        paths.len(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
     let ctl = Control::new(total, opts.cancel, opts.progress);
     let deliver = |read: &Read, slot: Slot| sink.deliver(read, slot);
     let all_host = targets.iter().all(|t| matches!(t, Target::Host { .. }));
@@ -270,6 +275,8 @@ pub unsafe fn run(
             continue;
         }
         let slot = pool.slot_size() as u64;
+        let group_start = Instant::now();
+        let group_bytes: u64 = group.iter().map(|e| e.len).sum();
         match engine {
             Engine::Pread if all_host => {
                 let reads = plan::plan(
@@ -313,6 +320,11 @@ pub unsafe fn run(
                 }
             }
         }
+        log::debug!(
+            "{engine}: {group_bytes} bytes in {:.1} ms ({:.2} GB/s)",
+            group_start.elapsed().as_secs_f64() * 1e3,
+            group_bytes as f64 / group_start.elapsed().as_secs_f64() / 1e9
+        );
     }
     let finished = sink.finish();
     ctl.finish()?;

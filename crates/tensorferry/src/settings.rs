@@ -4,9 +4,9 @@
 pub const ENGINE: &str = "TENSORFERRY_ENGINE";
 /// Reader threads for the pread engines. Default: the number of cores.
 pub const THREADS: &str = "TENSORFERRY_THREADS";
-/// Staging slot size in bytes (suffixes K, M, G allowed). Default 8 MiB.
+/// Staging slot size in bytes (suffixes K, M, G allowed). Default 4 MiB.
 pub const SLOT_SIZE: &str = "TENSORFERRY_SLOT_SIZE";
-/// Number of staging slots. Default 32 (so 256 MiB of staging).
+/// Number of staging slots. Default 32 (so 128 MiB of staging).
 pub const SLOTS: &str = "TENSORFERRY_SLOTS";
 /// `io_uring` queue depth. Default 32.
 pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
@@ -14,7 +14,7 @@ pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
 pub const LOG: &str = "TENSORFERRY_LOG";
 
 /// Default staging slot size.
-pub const DEFAULT_SLOT_SIZE: usize = 8 << 20;
+pub const DEFAULT_SLOT_SIZE: usize = 4 << 20;
 /// Default number of staging slots.
 pub const DEFAULT_SLOTS: usize = 32;
 /// Default `io_uring` queue depth.

@@ -315,6 +315,7 @@ impl Drop for DeviceBuffer {
 /// host-to-device copies from it run at full PCIe speed and asynchronously.
 pub fn register_pool(pool: &StagingPool) -> Result<()> {
     pool.register_once(|ptr, len| {
+        let t = std::time::Instant::now();
         init()?;
         // Registration needs a current context; the pool is portable across devices.
         Context::get(0)?.bind()?;
@@ -322,6 +323,10 @@ pub fn register_pool(pool: &StagingPool) -> Result<()> {
         unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
             .result()
             .map_err(cu(&format!("registering {len} bytes of staging memory")))?;
+        log::debug!(
+            "registered {len} bytes of staging memory in {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
         let addr = ptr as usize;
         Ok(Box::new(move || {
             // SAFETY: unregistering the registration made above, once, before unmapping.
@@ -331,16 +336,40 @@ pub fn register_pool(pool: &StagingPool) -> Result<()> {
 }
 
 /// The copy stage for CUDA destinations: `cuMemcpyHtoDAsync` from the slot into every
-/// destination piece, on a few streams, then an event; a reclaimer thread gives each slot
-/// back to the pool when its event completes. `finish` waits for all copies.
+/// destination piece, on a few streams, then an event; a reclaimer thread (started on the
+/// first slot) gives each slot back to the pool when its event completes. `finish` waits
+/// for all copies. Streams and events are reused across loads (kept per device).
 pub struct CudaSink<'a> {
     ctx: &'static Context,
     targets: &'a [Target],
     streams: Vec<Stream>,
     next: AtomicUsize,
-    pending: Mutex<Option<Sender<(Event, Slot)>>>,
-    reclaimer: Mutex<Option<JoinHandle<Result<()>>>>,
-    spare_events: std::sync::Arc<Mutex<Vec<Event>>>,
+    state: Mutex<Reclaim>,
+}
+
+#[derive(Default)]
+struct Reclaim {
+    tx: Option<Sender<(Event, Slot)>>,
+    handle: Option<JoinHandle<Result<()>>>,
+    finished: bool,
+}
+
+/// Streams and events kept per device between loads (creating them costs more than a
+/// small load).
+#[derive(Default)]
+struct Spares {
+    streams: Mutex<Vec<Stream>>,
+    events: Mutex<Vec<Event>>,
+}
+
+fn spares(ordinal: usize) -> &'static Spares {
+    static SPARES: OnceLock<Mutex<HashMap<usize, &'static Spares>>> = OnceLock::new();
+    let mut map = SPARES
+        .get_or_init(Default::default)
+        .lock()
+        .expect("spares map");
+    map.entry(ordinal)
+        .or_insert_with(|| Box::leak(Box::default()))
 }
 
 impl<'a> CudaSink<'a> {
@@ -365,13 +394,31 @@ impl<'a> CudaSink<'a> {
         }
         let ctx = Context::get(ordinal)?;
         ctx.bind()?;
-        let streams: Vec<Stream> = (0..streams.max(1))
-            .map(|_| Stream::new())
-            .collect::<Result<_>>()?;
+        let spare = spares(ordinal);
+        let mut mine = Vec::with_capacity(streams.max(1));
+        {
+            let mut pool = spare.streams.lock().expect("stream pool");
+            while mine.len() < streams.max(1) {
+                match pool.pop() {
+                    Some(s) => mine.push(s),
+                    None => break,
+                }
+            }
+        }
+        while mine.len() < streams.max(1) {
+            mine.push(Stream::new()?);
+        }
+        let sink = Self {
+            ctx,
+            targets,
+            streams: mine,
+            next: AtomicUsize::new(0),
+            state: Mutex::new(Reclaim::default()),
+        };
         if let Some(caller) = after {
-            let ev = Event::new()?;
+            let ev = sink.event()?;
             ev.record(caller)?;
-            for s in &streams {
+            for s in &sink.streams {
                 // SAFETY: live stream and event of the current context.
                 unsafe {
                     result::stream::wait_event(
@@ -382,38 +429,61 @@ impl<'a> CudaSink<'a> {
                 }
                 .map_err(cu("cuStreamWaitEvent"))?;
             }
+            spare.events.lock().expect("event pool").push(ev);
         }
-        let (tx, rx) = channel::<(Event, Slot)>();
-        let spare_events = std::sync::Arc::new(Mutex::new(Vec::new()));
-        let spare = std::sync::Arc::clone(&spare_events);
-        let reclaimer = std::thread::Builder::new()
-            .name("tensorferry-reclaim".into())
-            .spawn(move || -> Result<()> {
-                ctx.bind()?;
-                let mut first_err = None;
-                for (event, slot) in rx {
-                    // The slot goes back only once the copies reading it are done.
-                    if let Err(e) = event.synchronize() {
-                        first_err.get_or_insert(e);
-                        // Never hand back a slot a failed context may still read.
-                        std::mem::forget(slot);
-                        continue;
+        Ok(sink)
+    }
+
+    fn event(&self) -> Result<Event> {
+        match spares(self.ctx.ordinal)
+            .events
+            .lock()
+            .expect("event pool")
+            .pop()
+        {
+            Some(e) => Ok(e),
+            None => Event::new(),
+        }
+    }
+
+    /// Hands `(event, slot)` to the reclaimer, starting it on first use.
+    fn reclaim_later(&self, event: Event, slot: Slot) -> Result<()> {
+        let mut st = self.state.lock().expect("reclaim state");
+        if st.finished {
+            event.synchronize()?;
+            return Ok(());
+        }
+        if st.tx.is_none() {
+            let (tx, rx) = channel::<(Event, Slot)>();
+            let ctx = self.ctx;
+            let handle = std::thread::Builder::new()
+                .name("tensorferry-reclaim".into())
+                .spawn(move || -> Result<()> {
+                    ctx.bind()?;
+                    let spare = spares(ctx.ordinal);
+                    let mut first_err = None;
+                    for (event, slot) in rx {
+                        // The slot goes back only once the copies reading it are done.
+                        if let Err(e) = event.synchronize() {
+                            first_err.get_or_insert(e);
+                            // Never hand back a slot a failed context may still read.
+                            std::mem::forget(slot);
+                            continue;
+                        }
+                        drop(slot);
+                        spare.events.lock().expect("event pool").push(event);
                     }
-                    drop(slot);
-                    spare.lock().expect("event pool").push(event);
-                }
-                first_err.map_or(Ok(()), Err)
-            })
-            .map_err(|e| Error::Unsupported(format!("spawning the reclaimer thread: {e}")))?;
-        Ok(Self {
-            ctx,
-            targets,
-            streams,
-            next: AtomicUsize::new(0),
-            pending: Mutex::new(Some(tx)),
-            reclaimer: Mutex::new(Some(reclaimer)),
-            spare_events,
-        })
+                    first_err.map_or(Ok(()), Err)
+                })
+                .map_err(|e| Error::Unsupported(format!("spawning the reclaimer thread: {e}")))?;
+            st.tx = Some(tx);
+            st.handle = Some(handle);
+        }
+        st.tx
+            .as_ref()
+            .expect("reclaimer started")
+            .send((event, slot))
+            .map_err(|_| Error::Cuda("reclaimer thread stopped".into()))
     }
 }
 
@@ -445,22 +515,14 @@ impl Sink for CudaSink<'_> {
                 break;
             }
         }
-        let event = match self.spare_events.lock().expect("event pool").pop() {
-            Some(e) => e,
-            None => Event::new()?,
-        };
-        if let Err(e) = event.record(stream.raw()).and(result) {
-            // Some copies may be queued: wait for them before the slot can go back.
-            let _ = stream.synchronize();
-            return Err(e);
-        }
-        let tx = self.pending.lock().expect("pending lock");
-        if let Some(tx) = tx.as_ref() {
-            tx.send((event, slot))
-                .map_err(|_| Error::Cuda("reclaimer thread stopped".into()))
-        } else {
-            event.synchronize()?;
-            Ok(())
+        let event = self.event();
+        match event.and_then(|ev| ev.record(stream.raw()).and(result).map(|()| ev)) {
+            Ok(ev) => self.reclaim_later(ev, slot),
+            Err(e) => {
+                // Some copies may be queued: wait for them before the slot can go back.
+                let _ = stream.synchronize();
+                Err(e)
+            }
         }
     }
 
@@ -469,8 +531,12 @@ impl Sink for CudaSink<'_> {
     }
 
     fn finish(&self) -> Result<()> {
-        drop(self.pending.lock().expect("pending lock").take());
-        let handle = self.reclaimer.lock().expect("reclaimer lock").take();
+        let handle = {
+            let mut st = self.state.lock().expect("reclaim state");
+            st.finished = true;
+            drop(st.tx.take());
+            st.handle.take()
+        };
         let reclaimed = match handle {
             Some(h) => h
                 .join()
@@ -487,6 +553,13 @@ impl Sink for CudaSink<'_> {
 
 impl Drop for CudaSink<'_> {
     fn drop(&mut self) {
-        let _ = self.finish();
+        if self.finish().is_ok() {
+            // Idle and healthy: keep the streams for the next load.
+            spares(self.ctx.ordinal)
+                .streams
+                .lock()
+                .expect("stream pool")
+                .append(&mut self.streams);
+        }
     }
 }
