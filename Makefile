@@ -6,7 +6,7 @@ PYTHON ?= python3
 MATURIN ?= maturin
 BIN := target/release/tensorferry
 
-.PHONY: help demo test test-rust test-python build lint fmt bench fuzz clean
+.PHONY: help demo test test-rust test-python py-deps build lint fmt bench fuzz clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -15,7 +15,7 @@ build: ## build the CLI (release)
 	$(CARGO) build --release -p tensorferry-cli
 
 demo: build ## make a sample sharded checkpoint and load it with tensorferry and a baseline
-	$(BIN) doctor demo-data 2>/dev/null || $(BIN) doctor
+	$(BIN) doctor .
 	$(BIN) demo --size 1G --dir demo-data
 
 test: test-rust test-python ## run every test (Rust, then Python)
@@ -23,7 +23,10 @@ test: test-rust test-python ## run every test (Rust, then Python)
 test-rust: ## Rust unit, property and integration tests
 	$(CARGO) test --workspace --all-targets
 
-test-python: ## build and install the wheel, then run the Python tests (pip install -r python/requirements-test.txt first)
+py-deps: ## install what the Python tests need (torch, numpy, safetensors, pytest, maturin)
+	$(PYTHON) -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
+
+test-python: py-deps ## build and install the wheel, then run the Python tests
 	$(MATURIN) build --release -o target/wheels
 	$(PYTHON) -m pip install -q --force-reinstall --no-deps "$$(ls -t target/wheels/tensorferry-*.whl | head -n 1)"
 	$(PYTHON) -m pytest -q python/tests

@@ -68,10 +68,34 @@ pub fn run(
     ctl: &Control,
     deliver: &Deliver,
 ) {
-    if let Err(e) = run_inner(files, reads, pool, depth, ctl, deliver) {
-        ctl.fail(e);
-    }
+    // Completed reads go to a few delivery threads, so the copy out of the slot (a memcpy
+    // for host destinations) never holds up reaping and resubmitting.
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Slot)>();
+    let rx = std::sync::Mutex::new(rx);
+    std::thread::scope(|s| {
+        for _ in 0..DELIVERY_THREADS.min(reads.len()).max(1) {
+            s.spawn(|| loop {
+                let msg = rx.lock().expect("delivery queue").recv();
+                let Ok((i, slot)) = msg else { break };
+                let read = &reads[i];
+                if ctl.should_stop() {
+                    continue; // drop the slot: its read is complete, nobody needs it
+                }
+                match deliver(read, slot) {
+                    Ok(()) => ctl.add(piece_bytes(read)),
+                    Err(e) => ctl.fail(e),
+                }
+            });
+        }
+        if let Err(e) = run_inner(files, reads, pool, depth, ctl, &tx) {
+            ctl.fail(e);
+        }
+        drop(tx);
+    });
 }
+
+/// Threads that copy completed reads out of their slots.
+const DELIVERY_THREADS: usize = 4;
 
 fn run_inner(
     files: &[LocalFile],
@@ -79,7 +103,7 @@ fn run_inner(
     pool: &StagingPool,
     depth: u32,
     ctl: &Control,
-    deliver: &Deliver,
+    deliver: &std::sync::mpsc::Sender<(usize, Slot)>,
 ) -> Result<()> {
     let depth = depth.clamp(1, 4096);
     let uring_err = |op: &'static str, e: std::io::Error| Error::Io {
@@ -174,11 +198,9 @@ fn run_inner(
                         needed: read.needed - op.done,
                     });
                 } else if !stopping {
-                    let bytes = piece_bytes(read);
                     // The kernel is done with the slot: hand it on.
-                    match deliver(read, op.slot) {
-                        Ok(()) => ctl.add(bytes),
-                        Err(e) => ctl.fail(e),
+                    if deliver.send((op.read, op.slot)).is_err() {
+                        ctl.fail(Error::InvalidArgument("delivery threads stopped".into()));
                     }
                     free_tokens.push(token);
                     in_flight -= 1;

@@ -1,0 +1,34 @@
+"""Type stubs of the native extension (glue only; see tensorferry/_core.py for the API)."""
+from typing import Any, Callable
+
+__version__: str
+
+class NativeLoader:
+    def __init__(
+        self,
+        engine: str | None = None,
+        threads: int | None = None,
+        slot_size: int | None = None,
+        slots: int | None = None,
+        uring_depth: int | None = None,
+    ) -> None: ...
+    def options(self) -> dict[str, Any]: ...
+    def read_into(
+        self,
+        files: list[str],
+        extents: list[tuple[int, int, int, int, int]],
+        targets: list[tuple[str, int, int, int]],
+        stream: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]: ...
+
+def open_checkpoint(path: str) -> dict[str, Any]: ...
+def parse_header(
+    data: bytes,
+) -> tuple[int, list[tuple[str, str, list[int], int, int]], dict[str, str] | None]: ...
+def serialize_header(
+    tensors: list[tuple[str, str, list[int]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]: ...
+def raw_range(path: str, dtype: str, num_elements: int | None = None, offset: int = 0) -> tuple[int, int]: ...
+def drop_cache(path: str) -> None: ...
+def doctor() -> dict[str, Any]: ...
