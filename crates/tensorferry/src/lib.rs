@@ -44,3 +44,8 @@ pub use format::{Dtype, FormatError};
 pub use io::{Engine, EngineChoice};
 pub use loader::{DeviceTensor, HostTensor, LoadOptions, Loader};
 pub use pipeline::Report;
+
+/// The README's examples, compiled as doctests so they stay true.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
