@@ -8,6 +8,8 @@ edges), error paths, stream semantics, and the small-load latency target.
 import argparse
 import json
 import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX must not take the GPU
 import sys
 import time
 
@@ -84,6 +86,26 @@ def main():
         sl = f.get_slice("float32.1023x17")[100:200, 3:9]
         ok_slice = same(sl, ref["float32.1023x17"][100:200, 3:9].contiguous())
         emit(check="safe_open_cuda", ok=ok, slice_ok=ok_slice, device=str(sl.device))
+
+    # Other frameworks through DLPack (CuPy, JAX).
+    for fw in ("cupy", "jax"):
+        try:
+            with tensorferry.safe_open(path, framework=fw, device=DEV) as f:
+                x = f.get_tensor("float32.1023x17")
+            import numpy as np
+            host = np.asarray(x.get()) if fw == "cupy" else np.asarray(x)
+            emit(check=f"dlpack_{fw}", ok=bool(np.array_equal(host, ref["float32.1023x17"].numpy())), type=type(x).__name__)
+        except Exception as e:  # noqa: BLE001 - reported
+            emit(check=f"dlpack_{fw}", error=repr(e)[:300])
+
+    # A destination the driver refuses (a bogus device address): a clear error, then
+    # loads still work.
+    try:
+        tensorferry.default_loader().read_into([path], [(0, 8, 64, 0, 0)], [("cuda", 0, 1 << 40, 64)])
+        bogus = "no error"
+    except Exception as e:  # noqa: BLE001 - reported
+        bogus = f"{type(e).__name__}: {e}"[:200]
+    emit(check="bogus_destination", error=bogus, load_after_ok=same(tft.load_file(path, device=DEV)["big"], ref["big"]))
 
     # Raw files and handles on CUDA
     raw = os.path.join(a.dir, "raw.bin")
