@@ -41,6 +41,12 @@ fmt: ## format the code
 bench: build ## host-memory benchmark against safetensors and dd (2 GiB, warm and cold)
 	$(PYTHON) bench/host_bench.py --size 2G
 
+FUZZ_SECONDS ?= 600
+fuzz: ## run each fuzz target (header, index, plan) for FUZZ_SECONDS (needs nightly and cargo-fuzz)
+	cd crates/tensorferry/fuzz && for t in header index plan; do \
+	  mkdir -p corpus/$$t && cargo +nightly fuzz run $$t corpus/$$t seeds/$$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 || exit 1; \
+	done
+
 clean: ## remove build outputs and sample data
 	$(CARGO) clean
 	rm -rf demo-data
