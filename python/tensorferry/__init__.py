@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import _native
-from ._core import Loader, default_loader
+from ._core import Loader, Saver, default_loader, default_saver
 from .errors import (CancelledError, CudaError, InvalidArgumentError, InvalidFileError, NotFoundError,
                      OutOfMemoryError, PermissionDeniedError, ReadError, TensorferryError,
-                     TensorNotFoundError, UnsupportedError)
+                     TensorNotFoundError, UnsupportedError, WriteError)
 
 __version__ = _native.__version__
 
@@ -162,6 +162,7 @@ class Handle:
     def __init__(self, engine: str | None = None, threads: int | None = None,
                  staging_size: int | None = None, slots: int | None = None, workers: int = 4) -> None:
         self._loader = Loader(engine, threads, staging_size, slots)
+        self._saver = Saver(threads, staging_size, slots)
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tensorferry-handle")
         self._pending: list[_Future] = []
 
@@ -182,17 +183,16 @@ class Handle:
         return n
 
     def pwrite(self, tensor: Any, path: Any, offset: int = 0) -> int:
-        """Writes ``tensor``'s bytes to ``path`` at byte ``offset`` (creating the file)."""
+        """Writes ``tensor``'s bytes to ``path`` at byte ``offset`` (creating the file, never
+        truncating it; not synced). CUDA tensors are written from the device through
+        pinned staging, after the work queued on the current stream."""
         ad = self._ad(tensor)
-        data = ad.to_host_bytes(tensor)
-        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], int(offset) + done)
-        finally:
-            os.close(fd)
-        return len(data)
+        kind, dev, ptr, n, owner = ad.source(tensor)
+        if kind == "cuda":
+            ad.sync([dev])
+        self._saver.write_at(os.fspath(path), int(offset), (kind, dev, ptr, n))
+        del owner  # alive until the write is done
+        return n
 
     def async_pread(self, tensor: Any, path: Any, offset: int = 0) -> "_Future":
         return self._submit(self.pread, tensor, path, offset)
@@ -254,9 +254,10 @@ def drop_cache(path: Any) -> None:
 
 
 __all__ = [
-    "safe_open", "Loader", "Handle", "default_loader", "doctor", "drop_cache", "__version__",
-    "TensorferryError", "NotFoundError", "PermissionDeniedError", "InvalidFileError", "TensorNotFoundError",
-    "ReadError", "InvalidArgumentError", "UnsupportedError", "CudaError", "OutOfMemoryError", "CancelledError",
+    "safe_open", "Loader", "Saver", "Handle", "default_loader", "default_saver", "doctor", "drop_cache",
+    "__version__", "TensorferryError", "NotFoundError", "PermissionDeniedError", "InvalidFileError",
+    "TensorNotFoundError", "ReadError", "WriteError", "InvalidArgumentError", "UnsupportedError", "CudaError",
+    "OutOfMemoryError", "CancelledError",
 ]
 
 

@@ -1,5 +1,5 @@
-"""Framework-independent machinery: the Loader, checkpoint and slice planning, raw files,
-durable writes and progress. ``torch.py`` and ``numpy.py`` plug in an adapter that
+"""Framework-independent machinery: the Loader and Saver, checkpoint and slice planning,
+raw files, durable writes and progress. ``torch.py`` and ``numpy.py`` plug in an adapter that
 allocates arrays and tells where their memory is.
 """
 from __future__ import annotations
@@ -50,6 +50,16 @@ class Adapter:
     def describe(self, array: Any) -> tuple[str, list[int]]:
         """``(safetensors dtype name, shape)`` of an array."""
         raise NotImplementedError
+
+    def source(self, array: Any) -> tuple[str, int, int, int, Any]:
+        """``(kind, device index, address, nbytes, owner)`` of an array's bytes in row-major
+        order, to be written from; ``owner`` (a contiguous copy where one was needed)
+        must stay alive until the write ends."""
+        raise NotImplementedError
+
+    def sync(self, devices: Iterable[int]) -> None:
+        """Waits for work queued on these CUDA devices' current streams (before their
+        memory is read by the native side)."""
 
     def finish(self, array: Any, dtype: str, shape: Sequence[int]) -> Any:
         return array
@@ -107,6 +117,82 @@ def default_loader() -> Loader:
         if _default is None:
             _default = Loader()
         return _default
+
+
+class Saver:
+    """Options for saves (writer threads, staging, O_DIRECT, CUDA streams) and the staging
+    pool they share. Module-level functions use a default saver built from the
+    ``TENSORFERRY_*`` environment variables; make your own to change options::
+
+        saver = tensorferry.Saver(threads=8, staging_size=16 << 20, direct="on")
+        tensorferry.torch.save_file(state_dict, "model.safetensors", saver=saver)
+
+    ``direct`` is ``"auto"`` (O_DIRECT for files of 64 MiB or more where the file system
+    accepts it), ``"on"``, ``"off"`` or a bool. CUDA tensors are copied to pinned staging
+    memory on a few streams and written from there; memory use is bounded by
+    ``staging_size * slots`` whatever the size of the checkpoint.
+    """
+
+    def __init__(self, threads: int | None = None, staging_size: int | None = None,
+                 slots: int | None = None, direct: str | bool | None = None,
+                 streams: int | None = None) -> None:
+        if isinstance(direct, bool):
+            direct = "on" if direct else "off"
+        self._native = _native.NativeSaver(threads, staging_size, slots, direct, streams)
+        self.last_report: dict | None = None
+
+    @property
+    def options(self) -> dict:
+        return self._native.options()
+
+    def save_file(self, path: str, tensors: Sequence[tuple], metadata: dict | None = None,
+                  progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+        """Low level: ``tensors`` ``[(name, dtype, shape, kind, device, address, nbytes)]``
+        as one safetensors file, durably."""
+        cb = _progress_callback(progress, on_progress, f"saving {os.path.basename(path)}")
+        try:
+            report = self._native.save_safetensors(path, list(tensors), metadata, cb)
+        finally:
+            if isinstance(cb, _Bar):
+                cb.close()
+        self.last_report = report
+        return report
+
+    def save_sharded(self, directory: str, tensors: Sequence[tuple], max_shard_size: int,
+                     metadata: dict | None = None, index_metadata: dict | None = None,
+                     progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+        """Low level: ``tensors`` (as for :meth:`save_file`) as a sharded checkpoint;
+        ``metadata`` in every shard's header, ``index_metadata`` in the index (or in the
+        header of a checkpoint that fits one file)."""
+        cb = _progress_callback(progress, on_progress, f"saving {os.path.basename(directory)}")
+        try:
+            report = self._native.save_sharded(directory, list(tensors), int(max_shard_size), metadata,
+                                               index_metadata, cb)
+        finally:
+            if isinstance(cb, _Bar):
+                cb.close()
+        self.last_report = report
+        return report
+
+    def write_at(self, path: str, offset: int, source: tuple) -> int:
+        """Low level: ``source`` ``(kind, device, address, nbytes)`` into ``path`` at
+        ``offset`` (created if missing, not truncated, not synced)."""
+        return self._native.write_at(path, int(offset), tuple(source))
+
+    def __repr__(self) -> str:
+        return f"Saver({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+
+_default_saver: Saver | None = None
+
+
+def default_saver() -> Saver:
+    """The saver module-level functions use (created on first use)."""
+    global _default_saver
+    with _default_lock:
+        if _default_saver is None:
+            _default_saver = Saver()
+        return _default_saver
 
 
 class _Bar:
@@ -346,25 +432,88 @@ def durable_write(path: str, write: Callable[[Any], None]) -> None:
         os.close(dfd)
 
 
-def save_tensors(ad: Adapter, tensors: dict[str, Any], path: Any, metadata: dict | None) -> None:
-    """Writes tensors as safetensors (reference layout), durably."""
-    header, order = serialize(ad, tensors, metadata)
-
-    def write(f) -> None:
-        f.write(header)
-        for name, _b, _e in order:
-            f.write(ad.to_host_bytes(tensors[name]))
-
-    durable_write(_path(path), write)
-
-
-def serialize(ad: Adapter, tensors: dict[str, Any], metadata: dict | None) -> tuple[bytes, list]:
+def _check_save_args(tensors: Any, metadata: dict | None) -> None:
     if not isinstance(tensors, dict):
         raise InvalidArgumentError(f"tensors must be a dict of name -> tensor, not {type(tensors).__name__}")
     if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise InvalidArgumentError(f"metadata must be a dict of str -> str, not {type(metadata).__name__}")
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise InvalidArgumentError(f"metadata must map str to str (bad key {bad[0]!r})")
+
+
+def save_sources(ad: Adapter, tensors: dict[str, Any], metadata: dict | None) -> tuple[list[tuple], list]:
+    """Checks tensors and metadata (as :func:`serialize` does) and says where each
+    tensor's bytes are: ``([(name, dtype, shape, kind, device, address, nbytes)], owners)``;
+    the owners must stay alive until the native side has written them. CUDA devices'
+    current streams are synchronised first, as ``.cpu()`` would."""
+    _check_save_args(tensors, metadata)
+    specs, owners, devices = [], [], set()
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"tensor names must be str, not {type(name).__name__}")
+        dtype, shape = ad.describe(t)
+        kind, dev, ptr, nbytes, owner = ad.source(t)
+        owners.append(owner)
+        if kind == "cuda":
+            devices.add(dev)
+        specs.append((name, dtype, [int(d) for d in shape], kind, dev, ptr, nbytes))
+    if devices:
+        ad.sync(sorted(devices))
+    return specs, owners
+
+
+def save_tensors(ad: Adapter, tensors: dict[str, Any], path: Any, metadata: dict | None,
+                 saver: Saver | None = None, progress: bool = False,
+                 on_progress: ProgressCallback | None = None) -> dict:
+    """Writes tensors as safetensors (reference layout), durably, with the native saver:
+    host memory is written from where it lies, CUDA memory through pinned staging."""
+    specs, owners = save_sources(ad, tensors, metadata)
+    report = (saver or default_saver()).save_file(_path(path), specs, metadata, progress, on_progress)
+    del owners  # alive until here
+    return report
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """A byte count: an int, or a string such as ``"5GB"`` (10^9, as Hugging Face's tools
+    read it), ``"500MB"``, ``"2GiB"`` (2^30)."""
+    if isinstance(size, bool):
+        raise InvalidArgumentError(f"size {size!r}: expected an int or a string such as '5GB'")
+    if isinstance(size, int):
+        n = size
+    elif isinstance(size, str):
+        import re
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size, re.IGNORECASE)
+        if not m:
+            raise InvalidArgumentError(f"size {size!r}: expected e.g. '5GB', '500MB', '2GiB' or a number of bytes")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    else:
+        raise InvalidArgumentError(f"size {size!r}: expected an int or a string such as '5GB'")
+    if n <= 0:
+        raise InvalidArgumentError(f"size {size!r} must be positive")
+    return n
+
+
+def save_sharded_tensors(ad: Adapter, tensors: dict[str, Any], directory: Any, max_shard_size: int | str,
+                         metadata: dict | None, index_metadata: dict | None = None, saver: Saver | None = None,
+                         progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+    """Writes tensors as a sharded checkpoint (Hugging Face layout), durably."""
+    limit = parse_size(max_shard_size)
+    _check_save_args(tensors, index_metadata)
+    specs, owners = save_sources(ad, tensors, metadata)
+    report = (saver or default_saver()).save_sharded(_path(directory), specs, limit, metadata, index_metadata,
+                                                     progress, on_progress)
+    del owners
+    return report
+
+
+def serialize(ad: Adapter, tensors: dict[str, Any], metadata: dict | None) -> tuple[bytes, list]:
+    _check_save_args(tensors, metadata)
     described = [(name, *ad.describe(t)) for name, t in tensors.items()]
     for name, _d, _s in described:
         if not isinstance(name, str):

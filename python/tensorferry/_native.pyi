@@ -22,6 +22,37 @@ class NativeLoader:
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]: ...
 
+# (name, dtype, shape, kind "cpu" | "cuda", device, address, nbytes)
+TensorSpec = tuple[str, str, list[int], str, int, int, int]
+
+class NativeSaver:
+    def __init__(
+        self,
+        threads: int | None = None,
+        slot_size: int | None = None,
+        slots: int | None = None,
+        direct: str | None = None,
+        streams: int | None = None,
+    ) -> None: ...
+    def options(self) -> dict[str, Any]: ...
+    def save_safetensors(
+        self,
+        path: str,
+        tensors: list[TensorSpec],
+        metadata: dict[str, str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]: ...
+    def save_sharded(
+        self,
+        directory: str,
+        tensors: list[TensorSpec],
+        max_shard_size: int,
+        metadata: dict[str, str] | None = None,
+        index_metadata: dict[str, str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]: ...
+    def write_at(self, path: str, offset: int, source: tuple[str, int, int, int]) -> int: ...
+
 def open_checkpoint(path: str) -> dict[str, Any]: ...
 def parse_header(
     data: bytes,

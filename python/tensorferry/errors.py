@@ -32,6 +32,12 @@ class ReadError(TensorferryError, OSError):
     """An operating-system error while reading or writing, or a file shorter than planned."""
 
 
+class WriteError(ReadError):
+    """An operating-system error while writing (``errno`` says which: ``ENOSPC`` when the
+    disk is full, ...). A :class:`ReadError` too, so that code catching I/O errors of
+    tensorferry catches both."""
+
+
 class InvalidArgumentError(TensorferryError, ValueError):
     """Arguments that do not fit together (sizes, dtypes, devices, options)."""
 
@@ -54,6 +60,6 @@ class CancelledError(TensorferryError):
 
 __all__ = [
     "TensorferryError", "NotFoundError", "PermissionDeniedError", "InvalidFileError",
-    "TensorNotFoundError", "ReadError", "InvalidArgumentError", "UnsupportedError",
+    "TensorNotFoundError", "ReadError", "WriteError", "InvalidArgumentError", "UnsupportedError",
     "CudaError", "OutOfMemoryError", "CancelledError",
 ]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._core import Loader, ProgressCallback
+from ._core import Loader, ProgressCallback, Saver
 from .errors import InvalidArgumentError, UnsupportedError
 
 _BY_NAME: dict[str, Any] = {
@@ -68,6 +68,10 @@ class _Numpy(_core.Adapter):
             raise InvalidArgumentError(f"dtype {a.dtype} cannot be stored in safetensors") from None
         return name, list(a.shape)
 
+    def source(self, a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        return "cpu", 0, a.ctypes.data, a.nbytes, a
+
 
 _AD = _Numpy()
 
@@ -84,9 +88,12 @@ def load(data: bytes) -> dict[str, np.ndarray]:
     return _core.load_bytes(_AD, data, "cpu")
 
 
-def save_file(tensors: dict[str, np.ndarray], filename: Any, metadata: dict[str, str] | None = None) -> None:
-    """Saves arrays as a safetensors file, durably."""
-    _core.save_tensors(_AD, tensors, filename, metadata)
+def save_file(tensors: dict[str, np.ndarray], filename: Any, metadata: dict[str, str] | None = None, *,
+              saver: Saver | None = None, progress: bool = False,
+              on_progress: ProgressCallback | None = None) -> None:
+    """Saves arrays as a safetensors file (the reference layout), durably: it appears
+    under ``filename`` only once whole and synced."""
+    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress)
 
 
 def save(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:

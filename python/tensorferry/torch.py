@@ -1,5 +1,5 @@
 """Drop-in for ``safetensors.torch``: ``load_file``, ``load``, ``save_file``, ``save``,
-plus the raw-file API (``load_tensor``, ``load_tensors``, ``load_tensor_timed``).
+``save_sharded`` (Hugging Face's sharded layout), plus the raw-file API (``load_tensor``, ``load_tensors``, ``load_tensor_timed``).
 
 Every tensor returned is allocated by PyTorch's own allocator on the target device and
 owns its memory (no staging buffer is aliased, no ``clone()`` is needed). CUDA tensors
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _core, _native
-from ._core import Loader, ProgressCallback, default_loader
+from ._core import Loader, ProgressCallback, Saver, default_loader
 from .errors import InvalidArgumentError, UnsupportedError
 
 _BY_NAME: dict[str, torch.dtype] = {
@@ -119,6 +119,23 @@ class _Torch(_core.Adapter):
                 "a tensor is not contiguous; call .contiguous() on it first (as safetensors requires)")
         return _dtype_name(t.dtype), list(t.shape)
 
+    def source(self, t: torch.Tensor):
+        t = t.detach()
+        if t.device.type not in ("cpu", "cuda"):
+            t = t.cpu()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        kind = "cuda" if t.is_cuda else "cpu"
+        return kind, t.device.index or 0, t.data_ptr(), t.numel() * t.element_size(), t
+
+    def sync(self, devices):
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+
 
 _AD = _Torch()
 
@@ -143,11 +160,17 @@ def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = None, progress: bool = False,
-              on_progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+              on_progress: ProgressCallback | None = None, process_group: Any = None,
+              shard: Any = None) -> dict[str, torch.Tensor]:
     """Loads a safetensors file, a sharded checkpoint's index, or a directory holding one,
     in one submission. Same keys, in the same order (the order of the data in the file),
     dtypes, shapes and values as ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
-    int or a ``torch.device``."""
+    int or a ``torch.device``. ``process_group`` / ``shard``: see
+    :func:`tensorferry.distributed.load_file`."""
+    if process_group is not None or shard is not None:
+        from . import distributed
+        return distributed.load_file(filename, device, process_group=process_group, shard=shard, loader=loader,
+                                     progress=progress, on_progress=on_progress)
     layout = _core.Layout(filename)
     return _core.load_layout(_AD, layout, layout.offset_keys(), device, loader, progress, on_progress)
 
@@ -157,11 +180,34 @@ def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:
     return _core.load_bytes(_AD, data, device)
 
 
-def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
-    """Saves tensors (on any device) as a safetensors file with the reference layout.
-    The file appears under ``filename`` only once whole and synced."""
+def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None, *,
+              saver: Saver | None = None, progress: bool = False,
+              on_progress: ProgressCallback | None = None) -> None:
+    """Saves tensors (on any device) as a safetensors file, byte for byte what
+    ``safetensors.torch.save_file`` writes. CUDA tensors are saved from the device
+    (through pinned staging, no ``.cpu()`` copy of the whole state dict); host memory use
+    is bounded by the saver's staging. The file appears under ``filename`` only once
+    whole and synced; on error (a full disk, Ctrl-C) the previous file stays intact."""
     _check_shared(tensors)
-    _core.save_tensors(_AD, tensors, filename, metadata)
+    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress)
+
+
+def save_sharded(state_dict: dict[str, torch.Tensor], directory: Any, max_shard_size: int | str = "5GB",
+                 metadata: dict[str, str] | None = None, *, saver: Saver | None = None,
+                 progress: bool = False, on_progress: ProgressCallback | None = None) -> None:
+    """Saves a state dict as a sharded checkpoint in ``directory``, as Hugging Face's
+    ``save_torch_state_dict`` does: shards ``model-00001-of-0000N.safetensors`` filled
+    greedily in the dict's order up to ``max_shard_size`` bytes of tensor data (an int, or
+    ``"5GB"``-style; a larger tensor gets a shard of its own), and
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size": ..., **metadata},
+    "weight_map": ...}``); every shard's header has ``{"format": "pt"}``. A checkpoint
+    that fits one shard is a single ``model.safetensors`` with ``{"format": "pt",
+    **metadata}`` in its header, and no index. Files of an earlier save in the directory
+    (``model*.safetensors``, the index) that this one did not rewrite are removed. Load it
+    back with ``load_file(directory)``."""
+    _check_shared(state_dict)
+    _core.save_sharded_tensors(_AD, state_dict, directory, max_shard_size, {"format": "pt"}, metadata,
+                               saver, progress, on_progress)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -208,4 +254,5 @@ def load_tensor_timed(path: Any, num_elements: int | None = None, dtype: Any = t
     return t, time.perf_counter() - t0
 
 
-__all__ = ["load_file", "load", "save_file", "save", "load_tensor", "load_tensors", "load_tensor_timed"]
+__all__ = ["load_file", "load", "save_file", "save", "save_sharded", "load_tensor", "load_tensors",
+           "load_tensor_timed"]

@@ -25,16 +25,28 @@ pub fn run(args: &Args) -> Result<()> {
     let uring = io::uring::available().clone();
     let probe_file = probe_file(&args.path)?;
     let direct = local::supports_direct(&probe_file);
-    let (auto_engine, resident) = match LocalFile::open(&probe_file) {
+    let driver = cuda::driver_version();
+    let gpus = cuda::devices();
+    let choose = |to_cuda: bool| match LocalFile::open(&probe_file) {
         Ok(f) if !f.is_empty() => {
-            let (e, r) = tensorferry::pipeline::choose_engine(&probe_file, EngineChoice::Auto, &f);
-            (Some(e.to_string()), r)
+            match tensorferry::pipeline::choose_engine(&probe_file, EngineChoice::Auto, &f, to_cuda)
+            {
+                Ok((e, r)) => (Some(e.to_string()), r),
+                Err(e) => (Some(format!("error: {e}")), None),
+            }
         }
         _ => (None, None),
     };
-    let driver = cuda::driver_version();
-    let gpus = cuda::devices();
-    let gds = cuda::gds_state();
+    let (auto_engine, resident) = choose(false);
+    // What auto would read the file with into GPU memory (GDS when it is real).
+    let auto_engine_cuda = if driver.is_ok() { choose(true).0 } else { None };
+    let gds = io::gds::state();
+    let cufile_lib = io::gds::library().map(io::gds::Cufile::path);
+    // cuFileDriverOpen needs the CUDA driver: try it only where there is one.
+    let cufile_driver = match (&cufile_lib, &driver) {
+        (Ok(_), Ok(_)) => Some(io::gds::driver().map(|_| ())),
+        _ => None,
+    };
     if args.json {
         let out = serde_json::json!({
             "kernel": kernel,
@@ -46,6 +58,9 @@ pub fn run(args: &Args) -> Result<()> {
             "cuda_driver": driver.as_ref().map_or_else(|e| serde_json::Value::String(e.to_string()), |v| serde_json::json!(v)),
             "gpus": gpus.as_ref().map(|g| g.iter().map(|d| serde_json::json!({"ordinal": d.ordinal, "name": d.name, "total_mem": d.total_mem})).collect::<Vec<_>>()).unwrap_or_default(),
             "gds": format!("{gds:?}").to_lowercase(),
+            "libcufile": cufile_lib.as_ref().map_or_else(|e| serde_json::json!({"error": e.to_string()}), |p| serde_json::json!({"path": p})),
+            "cufile_driver_open": cufile_driver.as_ref().map_or_else(|| serde_json::json!("skipped"), |r| r.as_ref().map_or_else(|e| serde_json::json!({"error": e.to_string()}), |()| serde_json::json!("ok"))),
+            "auto_engine_cuda": auto_engine_cuda,
             "cores": tensorferry::settings::cores(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -92,6 +107,19 @@ pub fn run(args: &Args) -> Result<()> {
         cuda::GdsState::Real => "real (libcufile + nvidia-fs)",
     };
     println!("GDS           {gds_line}");
+    match &cufile_lib {
+        Ok(p) => println!("libcufile     loaded from {p}"),
+        Err(e) => println!("libcufile     {e}"),
+    }
+    match &cufile_driver {
+        Some(Ok(())) => println!("cuFile driver cuFileDriverOpen succeeded"),
+        Some(Err(e)) => println!("cuFile driver {e}"),
+        None if cufile_lib.is_ok() => println!("cuFile driver not tried (no CUDA driver)"),
+        None => println!("cuFile driver not tried (no libcufile)"),
+    }
+    if let Some(e) = &auto_engine_cuda {
+        println!("auto to GPU   {e} for {}", probe_file.display());
+    }
     Ok(())
 }
 

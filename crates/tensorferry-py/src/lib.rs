@@ -2,6 +2,7 @@
 //! No I/O logic lives here; `python/tensorferry/` builds the user-facing API on top.
 #![allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -11,9 +12,13 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use tensorferry::format::{safetensors, Dtype, RawSpec};
+use tensorferry::io::ProgressFn;
 use tensorferry::pipeline::{Report, Target};
 use tensorferry::plan::Extent;
-use tensorferry::{Checkpoint, EngineChoice, Error, LoadOptions, Loader};
+use tensorferry::{
+    Checkpoint, DeviceRegion, DirectPolicy, EngineChoice, Error, LoadOptions, Loader, SaveControl,
+    SaveOptions, SaveReport, SaveSource, SaveTensor, Saver,
+};
 
 /// Maps a core error to the Python exception class of its kind, defined in
 /// `tensorferry.errors` (each also derives from the matching built-in exception).
@@ -24,6 +29,9 @@ fn to_py(e: Error) -> PyErr {
             Error::PermissionDenied { path } => ("PermissionDeniedError", Some(path.clone())),
             Error::InvalidFile { path, .. } => ("InvalidFileError", Some(path.clone())),
             Error::TensorNotFound { .. } => ("TensorNotFoundError", None),
+            Error::Io { path, op, .. } if tensorferry::saver::WRITE_OPS.contains(op) => {
+                ("WriteError", Some(path.clone()))
+            }
             Error::Io { path, .. } | Error::UnexpectedEof { path, .. } => {
                 ("ReadError", Some(path.clone()))
             }
@@ -50,6 +58,15 @@ fn to_py(e: Error) -> PyErr {
                     _ => cls.call1((message.clone(),)),
                 }
             });
+        // `errno` of an OS error (ENOSPC, EIO...), for `except OSError as e: e.errno`.
+        let made = made.and_then(|obj| {
+            if let Error::Io { source, .. } = &e {
+                if let Some(n) = source.raw_os_error() {
+                    obj.setattr("errno", n)?;
+                }
+            }
+            Ok(obj)
+        });
         match made {
             Ok(obj) => PyErr::from_value(obj),
             Err(_) => PyRuntimeError::new_err(message),
@@ -367,6 +384,329 @@ impl NativeLoader {
     }
 }
 
+// --- saving --------------------------------------------------------------------------
+
+/// A tensor to save as Python gives it: `(name, dtype, shape, kind, device, address,
+/// nbytes)`, kind `"cpu"` or `"cuda"`.
+type TensorSpec = (String, String, Vec<u64>, String, usize, u64, u64);
+
+/// Memory to save from, by address (resolved into borrows on the worker thread).
+#[derive(Clone, Copy)]
+enum RawSource {
+    Host { ptr: usize, len: usize },
+    Cuda { device: usize, ptr: u64, len: u64 },
+}
+
+impl RawSource {
+    fn new(kind: &str, device: usize, ptr: u64, len: u64) -> PyResult<Self> {
+        match kind {
+            "cpu" => Ok(RawSource::Host {
+                ptr: ptr as usize,
+                len: len as usize,
+            }),
+            "cuda" => Ok(RawSource::Cuda { device, ptr, len }),
+            other => Err(to_py(Error::InvalidArgument(format!(
+                "source kind {other:?}: expected cpu or cuda"
+            )))),
+        }
+    }
+
+    /// # Safety
+    /// The memory must be valid for reads of its length, unchanged, for `'a`.
+    unsafe fn source<'a>(self) -> SaveSource<'a> {
+        match self {
+            RawSource::Host { len: 0, .. } => SaveSource::Host(&[]),
+            // SAFETY: from this function's contract.
+            RawSource::Host { ptr, len } => {
+                SaveSource::Host(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) })
+            }
+            // SAFETY: from this function's contract.
+            RawSource::Cuda { device, ptr, len } => {
+                SaveSource::Cuda(unsafe { DeviceRegion::new(device, ptr, len) })
+            }
+        }
+    }
+}
+
+struct RawTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    source: RawSource,
+}
+
+fn raw_tensors(tensors: Vec<TensorSpec>) -> PyResult<Vec<RawTensor>> {
+    tensors
+        .into_iter()
+        .map(|(name, dtype, shape, kind, device, ptr, len)| {
+            Ok(RawTensor {
+                name,
+                dtype: dtype_of(&dtype)?,
+                shape,
+                source: RawSource::new(&kind, device, ptr, len)?,
+            })
+        })
+        .collect()
+}
+
+/// # Safety
+/// As [`RawSource::source`], for every tensor.
+unsafe fn save_tensors(raw: &[RawTensor]) -> Vec<SaveTensor<'_>> {
+    raw.iter()
+        .map(|t| SaveTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            // SAFETY: forwarded from this function's contract.
+            source: unsafe { t.source.source() },
+        })
+        .collect()
+}
+
+fn save_report_dict(py: Python<'_>, r: &SaveReport) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("gbps", r.gbps())?;
+    let files = PyList::empty(py);
+    for f in &r.files {
+        let fd = PyDict::new(py);
+        fd.set_item("path", f.path.display().to_string())?;
+        fd.set_item("bytes", f.bytes)?;
+        fd.set_item("direct", f.direct)?;
+        files.append(fd)?;
+    }
+    d.set_item("files", files)?;
+    Ok(d.unbind())
+}
+
+/// Runs `job` on a worker thread with the GIL released, as `NativeLoader.read_into` does:
+/// this thread wakes every 50 ms to deliver `progress(done, total)` and to notice Ctrl-C,
+/// which cancels the job; the worker is always joined before returning, so no access to
+/// the caller's memory outlives the call.
+fn run_detached<T: Send + 'static>(
+    py: Python<'_>,
+    name: &str,
+    progress: Option<Py<PyAny>>,
+    job: impl FnOnce(&AtomicBool, &ProgressFn) -> tensorferry::Result<T> + Send + 'static,
+) -> PyResult<T> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let total = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = mpsc::channel();
+    let (c, d, t) = (Arc::clone(&cancel), Arc::clone(&done), Arc::clone(&total));
+    let worker = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let counter = move |n: u64, of: u64| {
+                t.store(of, Ordering::Relaxed);
+                d.store(n, Ordering::Relaxed);
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&c, &counter)));
+            let _ = tx.send(r);
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("spawning the {name} thread: {e}")))?;
+    let progress_cb = progress.as_ref().map(|p| p.clone_ref(py));
+    let (tot, dn) = (Arc::clone(&total), Arc::clone(&done));
+    let (outcome, interrupted) = py.detach(move || {
+        let mut interrupted: Option<PyErr> = None;
+        let outcome = loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => break r,
+                Err(mpsc::RecvTimeoutError::Timeout) => Python::attach(|py| {
+                    if interrupted.is_none() {
+                        if let Err(e) = py.check_signals() {
+                            cancel.store(true, Ordering::Relaxed);
+                            interrupted = Some(e);
+                        }
+                    }
+                    if let Some(cb) = &progress_cb {
+                        let args = (dn.load(Ordering::Relaxed), tot.load(Ordering::Relaxed));
+                        if let Err(e) = cb.call1(py, args) {
+                            cancel.store(true, Ordering::Relaxed);
+                            interrupted.get_or_insert(e);
+                        }
+                    }
+                }),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    break Err(Box::new("worker thread ended without a result")
+                        as Box<dyn std::any::Any + Send>)
+                }
+            }
+        };
+        (outcome, interrupted)
+    });
+    let _ = worker.join();
+    if let Some(e) = interrupted {
+        return Err(e);
+    }
+    match outcome {
+        Ok(Ok(v)) => {
+            if let Some(cb) = &progress {
+                let t = total.load(Ordering::Relaxed);
+                cb.call1(py, (t, t))?;
+            }
+            Ok(v)
+        }
+        Ok(Err(e)) => Err(to_py(e)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(to_py(Error::Cuda(format!(
+                "internal error (please report): {what}"
+            ))))
+        }
+    }
+}
+
+/// Holds save options, a staging pool and CUDA streams; every save runs with the GIL
+/// released (see `run_detached`).
+#[pyclass(module = "tensorferry._native", frozen)]
+struct NativeSaver {
+    inner: Arc<Saver>,
+}
+
+#[pymethods]
+impl NativeSaver {
+    #[new]
+    #[pyo3(signature = (threads=None, slot_size=None, slots=None, direct=None, streams=None))]
+    fn new(
+        threads: Option<usize>,
+        slot_size: Option<usize>,
+        slots: Option<usize>,
+        direct: Option<&str>,
+        streams: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut o = SaveOptions::default();
+        if let Some(t) = threads {
+            o.threads = t.max(1);
+        }
+        if let Some(s) = slot_size {
+            o.slot_size = s;
+        }
+        if let Some(s) = slots {
+            o.slots = s.max(1);
+        }
+        if let Some(d) = direct {
+            o.direct = d.parse::<DirectPolicy>().map_err(to_py)?;
+        }
+        if let Some(s) = streams {
+            o.streams = s.max(1);
+        }
+        Ok(Self {
+            inner: Arc::new(Saver::new(o)),
+        })
+    }
+
+    /// The options as a dict.
+    fn options(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let o = self.inner.options();
+        let d = PyDict::new(py);
+        d.set_item("threads", o.threads)?;
+        d.set_item("slot_size", o.slot_size)?;
+        d.set_item("slots", o.slots)?;
+        d.set_item("direct", o.direct.to_string())?;
+        d.set_item("streams", o.streams)?;
+        Ok(d.unbind())
+    }
+
+    /// Saves `tensors` `[(name, dtype, shape, kind, device, address, nbytes)]` as one
+    /// safetensors file, durably. The caller keeps the memory alive and unchanged (CUDA
+    /// work on it complete) until this returns.
+    #[pyo3(signature = (path, tensors, metadata=None, progress=None))]
+    fn save_safetensors(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        tensors: Vec<TensorSpec>,
+        metadata: Option<BTreeMap<String, String>>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Py<PyDict>> {
+        let raw = raw_tensors(tensors)?;
+        let saver = Arc::clone(&self.inner);
+        let report = run_detached(py, "tensorferry-save", progress, move |cancel, counter| {
+            // SAFETY: the Python caller keeps the memory alive and unchanged until this
+            // call returns, and it never returns before the worker ends.
+            let list = unsafe { save_tensors(&raw) };
+            saver.save_safetensors_with(
+                &path,
+                &list,
+                metadata.as_ref(),
+                SaveControl {
+                    cancel: Some(cancel),
+                    progress: Some(counter),
+                },
+            )
+        })?;
+        save_report_dict(py, &report)
+    }
+
+    /// Saves `tensors` (as for `save_safetensors`) as a sharded checkpoint in `directory`:
+    /// `metadata` in the shards' headers, `index_metadata` in the index (or, for a single
+    /// file, in its header too).
+    #[pyo3(signature = (directory, tensors, max_shard_size, metadata=None, index_metadata=None, progress=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    fn save_sharded(
+        &self,
+        py: Python<'_>,
+        directory: PathBuf,
+        tensors: Vec<TensorSpec>,
+        max_shard_size: u64,
+        metadata: Option<BTreeMap<String, String>>,
+        index_metadata: Option<BTreeMap<String, String>>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Py<PyDict>> {
+        let raw = raw_tensors(tensors)?;
+        let saver = Arc::clone(&self.inner);
+        let report = run_detached(py, "tensorferry-save", progress, move |cancel, counter| {
+            // SAFETY: as in `save_safetensors`.
+            let list = unsafe { save_tensors(&raw) };
+            saver.save_sharded_with(
+                &directory,
+                &list,
+                max_shard_size,
+                metadata.as_ref(),
+                index_metadata.as_ref(),
+                SaveControl {
+                    cancel: Some(cancel),
+                    progress: Some(counter),
+                },
+            )
+        })?;
+        save_report_dict(py, &report)
+    }
+
+    /// Writes `source` `(kind, device, address, nbytes)` into `path` at `offset` (created
+    /// if missing, not truncated, not synced). Returns the bytes written.
+    fn write_at(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        offset: u64,
+        source: (String, usize, u64, u64),
+    ) -> PyResult<u64> {
+        let raw = RawSource::new(&source.0, source.1, source.2, source.3)?;
+        let saver = Arc::clone(&self.inner);
+        let report = run_detached(py, "tensorferry-write", None, move |cancel, counter| {
+            // SAFETY: as in `save_safetensors`.
+            let src = unsafe { raw.source() };
+            saver.write_at_with(
+                &path,
+                offset,
+                &src,
+                SaveControl {
+                    cancel: Some(cancel),
+                    progress: Some(counter),
+                },
+            )
+        })?;
+        Ok(report.bytes)
+    }
+}
+
 /// What this machine offers: io_uring, CUDA driver and devices, GDS.
 #[pyfunction]
 fn doctor(py: Python<'_>) -> PyResult<Py<PyDict>> {
@@ -432,6 +772,7 @@ fn init_log() {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_log();
     m.add_class::<NativeLoader>()?;
+    m.add_class::<NativeSaver>()?;
     m.add_function(wrap_pyfunction!(open_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(serialize_header, m)?)?;

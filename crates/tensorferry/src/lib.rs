@@ -11,7 +11,8 @@
 //! - [`plan`]: extents to large aligned reads and exact pieces.
 //! - [`source`]: local files, residency; [`io`]: read engines; [`device`]: host buffers
 //!   and the staging pool; [`pipeline`]: the stages joined, memory bounded by the pool.
-//! - [`Loader`] and [`Checkpoint`]: the API.
+//! - [`Loader`] and [`Checkpoint`]: the API; [`Saver`]: the store path (tensors in host
+//!   or CUDA memory to safetensors files, sharded checkpoints and raw files, durably).
 //!
 //! ```no_run
 //! use tensorferry::{Checkpoint, Loader};
@@ -34,6 +35,7 @@ pub mod io;
 mod loader;
 pub mod pipeline;
 pub mod plan;
+pub mod saver;
 pub mod settings;
 pub mod source;
 
@@ -44,6 +46,10 @@ pub use format::{Dtype, FormatError};
 pub use io::{Engine, EngineChoice};
 pub use loader::{DeviceTensor, HostTensor, LoadOptions, Loader};
 pub use pipeline::Report;
+pub use saver::{
+    DeviceRegion, DirectPolicy, SaveControl, SaveOptions, SaveReport, SaveSource, SaveTensor,
+    SavedFile, Saver,
+};
 
 /// The README's examples, compiled as doctests so they stay true.
 #[doc = include_str!("../../../README.md")]

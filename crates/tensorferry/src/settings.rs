@@ -10,6 +10,13 @@ pub const SLOT_SIZE: &str = "TENSORFERRY_SLOT_SIZE";
 pub const SLOTS: &str = "TENSORFERRY_SLOTS";
 /// `io_uring` queue depth. Default 32.
 pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
+/// Path of libcufile for the `gds` engine. When set, only this file is tried; unset,
+/// `libcufile.so.0`, `libcufile.so` and the CUDA toolkit's directories are searched (see
+/// [`crate::io::gds::SEARCH_PATH`]).
+pub const CUFILE_LIB: &str = "TENSORFERRY_CUFILE_LIB";
+/// `O_DIRECT` policy of saves: `auto` (for files of 64 MiB or more, where the file
+/// system accepts it), `on` (wherever accepted) or `off`. Default `auto`.
+pub const SAVE_DIRECT: &str = "TENSORFERRY_SAVE_DIRECT";
 /// Log filter for the CLI (`error`, `warn`, `info`, `debug`, `trace`). Default `warn`.
 pub const LOG: &str = "TENSORFERRY_LOG";
 
@@ -23,6 +30,10 @@ pub const DEFAULT_URING_DEPTH: u32 = 32;
 pub const STREAMS_DEFAULT: usize = 4;
 /// Largest buffered read that lands straight in host memory (split for parallelism).
 pub const DIRECT_CHUNK: u64 = 8 << 20;
+
+/// Largest single `cuFileRead` of the `gds` engine (extents are split into chunks this
+/// size, spread over the reader threads).
+pub const GDS_CHUNK: u64 = 16 << 20;
 
 /// Reads a variable, or `None` when unset or empty.
 pub fn var(name: &str) -> Option<String> {

@@ -6,9 +6,7 @@ use tensorferry::format::safetensors::serialize_header;
 use tensorferry::{Checkpoint, Dtype, EngineChoice, LoadOptions, Loader};
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .map(Iterator::count)
-        .unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
 }
 
 fn small_file(dir: &std::path::Path, i: usize) -> PathBuf {

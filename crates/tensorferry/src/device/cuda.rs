@@ -563,3 +563,44 @@ impl Drop for CudaSink<'_> {
         }
     }
 }
+
+// --- device-to-host copies (the store path) ----------------------------------------
+
+impl Event {
+    /// A new event (timing disabled) in the current context.
+    pub fn create() -> Result<Self> {
+        Self::new()
+    }
+
+    /// Records the event on `stream` (of the current context).
+    pub fn record_on(&self, stream: &Stream) -> Result<()> {
+        self.record(stream.raw())
+    }
+
+    /// Blocks until the work queued before the event's record has completed.
+    pub fn wait(&self) -> Result<()> {
+        self.synchronize()
+    }
+}
+
+/// Queues a copy of `len` bytes from device address `src` to host memory `dst` on
+/// `stream` (`cuMemcpyDtoHAsync`). The copy is asynchronous when `dst` is page-locked
+/// (e.g. a staging pool given to [`register_pool`]).
+///
+/// # Safety
+/// `src` must be device memory valid for reads of `len` bytes, and `dst` host memory valid
+/// for writes of `len` bytes, both until the copy completes (wait on the stream or on an
+/// event recorded after it). The stream's context must be current.
+pub unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: &Stream) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream.raw()) }
+        .result()
+        .map_err(cu("cuMemcpyDtoHAsync"))
+}
+
+impl DeviceBuffer {
+    /// The ordinal of the device holding the buffer.
+    pub fn device(&self) -> usize {
+        self.ctx.ordinal
+    }
+}

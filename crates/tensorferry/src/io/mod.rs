@@ -1,8 +1,11 @@
-//! Read engines: a pread thread pool (buffered or `O_DIRECT`) and `io_uring` with
-//! `O_DIRECT` and registered buffers; which one a file gets is a named policy.
+//! Read engines: a pread thread pool (buffered or `O_DIRECT`), `io_uring` with
+//! `O_DIRECT` and registered buffers, and GPUDirect Storage (cuFile, straight into CUDA
+//! memory); which one a file gets is a named policy.
 
+pub mod gds;
 pub mod pread;
 pub mod uring;
+pub mod write;
 
 use std::fmt;
 use std::str::FromStr;
@@ -17,7 +20,8 @@ use crate::plan::Read;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EngineChoice {
     /// Per file: buffered pread when the page cache holds it, `io_uring` + `O_DIRECT` when
-    /// not (pread + `O_DIRECT` where `io_uring` is unavailable).
+    /// not (pread + `O_DIRECT` where `io_uring` is unavailable); for CUDA destinations,
+    /// GPUDirect Storage instead when it is real (nvidia-fs loaded).
     #[default]
     Auto,
     /// Buffered pread from a thread pool.
@@ -26,7 +30,8 @@ pub enum EngineChoice {
     Direct,
     /// `io_uring` with `O_DIRECT` and registered buffers.
     Uring,
-    /// `GPUDirect` Storage (cuFile); needs a CUDA destination.
+    /// `GPUDirect` Storage (cuFile); needs CUDA destinations and libcufile, else the load
+    /// fails with [`Error::Unsupported`].
     Gds,
 }
 
@@ -69,7 +74,7 @@ pub enum Engine {
     PreadDirect,
     /// `io_uring`, `O_DIRECT`, registered buffers.
     Uring,
-    /// cuFile.
+    /// cuFile, straight into CUDA memory (no staging).
     Gds,
 }
 
