@@ -53,16 +53,23 @@ impl std::fmt::Debug for LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         let num = |name: &str| settings::var(name).and_then(|v| settings::parse_size(&v));
+        // Page-cache reads stop scaling at about 16 threads; more only contend.
+        let threads = num(settings::THREADS)
+            .map_or_else(
+                || settings::cores().min(settings::MAX_DEFAULT_THREADS),
+                |n| n as usize,
+            )
+            .max(1);
         Self {
             engine: settings::var(settings::ENGINE)
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_default(),
-            threads: num(settings::THREADS)
-                .map_or_else(settings::cores, |n| n as usize)
-                .max(1),
+            threads,
             slot_size: num(settings::SLOT_SIZE).map_or(settings::DEFAULT_SLOT_SIZE, |n| n as usize),
+            // Every reader holds a slot while it reads; the copy stage needs as many more
+            // in flight, or readers wait on copies.
             slots: num(settings::SLOTS)
-                .map_or(settings::DEFAULT_SLOTS, |n| n as usize)
+                .map_or(settings::DEFAULT_SLOTS.max(2 * threads), |n| n as usize)
                 .max(1),
             uring_depth: num(settings::URING_DEPTH)
                 .map_or(settings::DEFAULT_URING_DEPTH, |n| n as u32),

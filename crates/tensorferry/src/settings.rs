@@ -2,11 +2,12 @@
 
 /// Engine policy: `auto`, `pread`, `direct`, `uring` or `gds`. Default `auto`.
 pub const ENGINE: &str = "TENSORFERRY_ENGINE";
-/// Reader threads for the pread engines. Default: the number of cores.
+/// Reader threads for the pread engines. Default: the number of cores, at most 16.
 pub const THREADS: &str = "TENSORFERRY_THREADS";
 /// Staging slot size in bytes (suffixes K, M, G allowed). Default 4 MiB.
 pub const SLOT_SIZE: &str = "TENSORFERRY_SLOT_SIZE";
-/// Number of staging slots. Default 32 (so 128 MiB of staging).
+/// Number of staging slots. Default 32, or twice the reader threads if more (so 128 MiB
+/// of staging with the default 4 MiB slots).
 pub const SLOTS: &str = "TENSORFERRY_SLOTS";
 /// `io_uring` queue depth. Default 32.
 pub const URING_DEPTH: &str = "TENSORFERRY_URING_DEPTH";
@@ -20,6 +21,8 @@ pub const SAVE_DIRECT: &str = "TENSORFERRY_SAVE_DIRECT";
 /// Log filter for the CLI (`error`, `warn`, `info`, `debug`, `trace`). Default `warn`.
 pub const LOG: &str = "TENSORFERRY_LOG";
 
+/// Most reader threads chosen by default (page-cache reads stop scaling about there).
+pub const MAX_DEFAULT_THREADS: usize = 16;
 /// Default staging slot size.
 pub const DEFAULT_SLOT_SIZE: usize = 4 << 20;
 /// Default number of staging slots.
