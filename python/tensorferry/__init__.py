@@ -43,6 +43,11 @@ def _convert(framework: str, t: Any) -> Any:
         return cupy.from_dlpack(t)
     if fw in ("jax", "flax"):
         import jax.dlpack
+        if getattr(t, "is_cuda", False):
+            # JAX may leave another device current; torch exports only from the tensor's.
+            import torch
+            with torch.cuda.device(t.device):
+                return jax.dlpack.from_dlpack(t)
         return jax.dlpack.from_dlpack(t)
     return t
 

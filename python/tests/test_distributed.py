@@ -513,3 +513,27 @@ def test_plan_covers_every_byte_once(direct):
         spans = sorted(seen[name])
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_group_of_one_skips_collectives_and_matches_the_plain_load(ckpts, tmp_path, monkeypatch):
+    """A group of one reads everything itself and calls no collective (so it costs what a
+    plain load costs)."""
+    import torch.distributed as dist
+
+    path = ckpts["mixed"]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        calls = []
+        for fn in ("all_reduce", "broadcast", "all_gather_object"):
+            real = getattr(dist, fn)
+            monkeypatch.setattr(dist, fn, lambda *a, _f=fn, _r=real, **k: (calls.append(_f), _r(*a, **k))[1])
+        got = tfd.load_file(path, process_group=dist.group.WORLD)
+        want = tft.load_file(path)
+        assert list(got) == list(want)
+        assert all(tensor_bytes(got[k]) == tensor_bytes(want[k]) for k in want)
+        rep = tfd.last_report()
+        assert calls == [] and rep["world"] == 1 and rep["broadcasts"] == 0
+        assert rep["bytes_read"] == sum(t.numel() * t.element_size() for t in want.values())
+    finally:
+        dist.destroy_process_group()
