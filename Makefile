@@ -22,6 +22,7 @@ test: test-rust test-python ## run every test (Rust, then Python)
 
 test-rust: ## Rust unit, property and integration tests
 	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --doc
 
 py-deps: ## install what the Python tests need (torch, numpy, safetensors, pytest, maturin)
 	$(PYTHON) -m pip install -q --disable-pip-version-check -r python/requirements-test.txt

@@ -177,9 +177,18 @@ fn raw_range(
 ) -> PyResult<(u64, u64)> {
     let dtype = dtype_of(dtype)?;
     py.detach(|| {
-        let len = std::fs::metadata(&path)
-            .map_err(|e| Error::io(&path, "stat", 0, e))?
-            .len();
+        let len = if tensorferry::source::is_url(&path) {
+            tensorferry::source::ObjectFile::open(
+                &path.to_string_lossy(),
+                &tensorferry::LoadOptions::default().object,
+            )?
+            .len()
+            .unwrap_or(0)
+        } else {
+            std::fs::metadata(&path)
+                .map_err(|e| Error::io(&path, "stat", 0, e))?
+                .len()
+        };
         RawSpec {
             offset,
             num_elements,

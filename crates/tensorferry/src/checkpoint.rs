@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::format::{index, safetensors, Dtype, FormatError, Header, TensorInfo};
-use crate::source::LocalFile;
+use crate::source::{is_url, LocalFile, Location, ObjectFile, ObjectOptions};
 
 /// Bytes read first from a file, in the hope the whole header is in them.
 const FIRST_READ: usize = 64 * 1024;
@@ -67,14 +67,25 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens a `.safetensors` file, a `*.index.json`, or a directory holding
-    /// `model.safetensors.index.json` or `*.safetensors` files.
+    /// `model.safetensors.index.json` or `*.safetensors` files. Each may be an object
+    /// store URL (`s3://`, `gs://`, `az://`, `http(s)://`; a URL that names neither a
+    /// `.safetensors` nor a `.json` object is a prefix, like a directory), configured
+    /// from the environment.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path, &crate::loader::default_object_options())
+    }
+
+    /// [`Checkpoint::open`] with object store options (credentials, endpoint, ...).
+    pub fn open_with(path: impl AsRef<Path>, object: &ObjectOptions) -> Result<Self> {
         let path = path.as_ref();
+        if is_url(path) {
+            return Self::open_url(path, object);
+        }
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "stat", 0, e))?;
         if meta.is_dir() {
             let idx = path.join(index::INDEX_FILE_NAME);
             if idx.exists() {
-                return Self::open_index(&idx, path);
+                return Self::open_index(&idx, path, object);
             }
             let mut files: Vec<PathBuf> = std::fs::read_dir(path)
                 .map_err(|e| Error::io(path, "read_dir", 0, e))?
@@ -89,34 +100,70 @@ impl Checkpoint {
                     index::INDEX_FILE_NAME
                 )));
             }
-            return Self::from_files(path, files, None, true);
+            return Self::from_files(path, files, None, true, object);
         }
         if path.to_string_lossy().ends_with(".json") {
             let dir = path.parent().unwrap_or(Path::new("."));
-            return Self::open_index(path, dir);
+            return Self::open_index(path, dir, object);
         }
-        Self::from_files(path, vec![path.to_path_buf()], None, false)
+        Self::from_files(path, vec![path.to_path_buf()], None, false, object)
     }
 
-    fn open_index(idx_path: &Path, dir: &Path) -> Result<Self> {
-        let bytes = std::fs::read(idx_path).map_err(|e| Error::io(idx_path, "read", 0, e))?;
+    fn open_url(url: &Path, object: &ObjectOptions) -> Result<Self> {
+        let text = url.to_string_lossy();
+        if text.ends_with(".json") {
+            let dir = text.rsplit_once('/').map_or(&*text, |(d, _)| d);
+            return Self::open_index(url, Path::new(dir), object);
+        }
+        if text.ends_with(".safetensors") {
+            return Self::from_files(url, vec![url.to_path_buf()], None, false, object);
+        }
+        // A prefix: its index if it has one, else its *.safetensors objects.
+        let loc = Location::of(url);
+        let idx = loc.join(index::INDEX_FILE_NAME);
+        match Self::open_index(&idx, url, object) {
+            Err(Error::NotFound { path }) if path == idx => {}
+            other => return other,
+        }
+        let prefix = ObjectFile::at(&text, object)?;
+        let mut files: Vec<PathBuf> = prefix
+            .list_children()?
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(".safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(Error::NotFound {
+                path: url.to_path_buf(),
+            });
+        }
+        Self::from_files(url, files, None, true, object)
+    }
+
+    fn open_index(idx_path: &Path, dir: &Path, object: &ObjectOptions) -> Result<Self> {
+        let bytes = if is_url(idx_path) {
+            read_url(idx_path, object)?
+        } else {
+            std::fs::read(idx_path).map_err(|e| Error::io(idx_path, "read", 0, e))?
+        };
+        let dir_loc = Location::of(dir);
         let idx = index::parse_index(&bytes).map_err(|e| Error::invalid(idx_path, e))?;
         // One file per path, however the index spells it (`a`, `./a`): paths compare by
         // components.
         let mut shards: Vec<PathBuf> = Vec::new();
         for s in idx.shards() {
-            let p = dir.join(s);
+            let p = dir_loc.join(s);
             if !shards.contains(&p) {
                 shards.push(p);
             }
         }
-        let mut ck = Self::from_files(idx_path, shards, Some(&idx), true)?;
+        let mut ck = Self::from_files(idx_path, shards, Some(&idx), true, object)?;
         // The index is the truth: every tensor it lists must be in its shard, and only
         // those tensors are part of the checkpoint.
         let shard_of: BTreeMap<&str, PathBuf> = idx
             .weight_map
             .iter()
-            .map(|(n, s)| (n.as_str(), dir.join(s)))
+            .map(|(n, s)| (n.as_str(), dir_loc.join(s)))
             .collect();
         for (name, shard) in &shard_of {
             let found = ck
@@ -143,13 +190,14 @@ impl Checkpoint {
         files: Vec<PathBuf>,
         index: Option<&index::Index>,
         sharded: bool,
+        object: &ObjectOptions,
     ) -> Result<Self> {
         let index_meta = index.and_then(|i| i.metadata.as_ref());
         let mut headers = Vec::with_capacity(files.len());
         let mut file_lens = Vec::with_capacity(files.len());
         let mut tensors = Vec::new();
         for (i, f) in files.iter().enumerate() {
-            let (header, len) = read_header(f)?;
+            let (header, len) = read_header_with(f, object)?;
             for t in &header.tensors {
                 tensors.push(TensorEntry {
                     info: t.clone(),
@@ -220,6 +268,27 @@ impl Checkpoint {
 /// Reads and validates one file's header with one pread (two when the header is longer
 /// than the first read). Returns the header and the file's size.
 pub fn read_header(path: &Path) -> Result<(Header, u64)> {
+    read_header_with(path, &crate::loader::default_object_options())
+}
+
+/// [`read_header`] for a path or URL: from an object store, one ranged GET (two when
+/// the header is longer than the first).
+pub fn read_header_with(path: &Path, object: &ObjectOptions) -> Result<(Header, u64)> {
+    if is_url(path) {
+        let mut f = ObjectFile::at(&path.to_string_lossy(), object)?;
+        let mut buf = f.read_prefix(FIRST_READ as u64)?;
+        let len = f.len().unwrap_or(buf.len() as u64);
+        let n = safetensors::header_len(&buf, len).map_err(|e| Error::invalid(path, e))?;
+        let need = 8 + n as usize;
+        if need > buf.len() {
+            let first = buf.len();
+            buf.resize(need, 0);
+            f.read_exact_at(&mut buf[first..], first as u64, object.retries)?;
+        }
+        let header =
+            safetensors::parse_header(&buf[..need], len).map_err(|e| Error::invalid(path, e))?;
+        return Ok((header, len));
+    }
     let f = LocalFile::open(path)?;
     let len = f.len();
     let first = (len as usize).min(FIRST_READ);
@@ -234,4 +303,17 @@ pub fn read_header(path: &Path) -> Result<(Header, u64)> {
     let header =
         safetensors::parse_header(&buf[..need], len).map_err(|e| Error::invalid(path, e))?;
     Ok((header, len))
+}
+
+/// Reads a whole (small) object, such as an index.
+fn read_url(url: &Path, object: &ObjectOptions) -> Result<Vec<u8>> {
+    let mut f = ObjectFile::at(&url.to_string_lossy(), object)?;
+    let mut buf = f.read_prefix(FIRST_READ as u64)?;
+    let len = f.len().unwrap_or(buf.len() as u64);
+    if len > buf.len() as u64 {
+        let first = buf.len();
+        buf.resize(len as usize, 0);
+        f.read_exact_at(&mut buf[first..], first as u64, object.retries)?;
+    }
+    Ok(buf)
 }

@@ -12,11 +12,12 @@ use crate::device::staging::StagingPool;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{Dtype, RawSpec};
+use crate::io::object::ObjectRun;
 use crate::io::{EngineChoice, ProgressFn};
 use crate::pipeline::{self, HostSink, Report, RunOptions, Sink, Target};
 use crate::plan::Extent;
 use crate::settings;
-use crate::source::LocalFile;
+use crate::source::{is_url, LocalFile, ObjectFile, ObjectOptions};
 
 /// Options of a [`Loader`]. `Default` reads the `TENSORFERRY_*` variables (see
 /// [`crate::settings`]), falling back to built-in defaults.
@@ -36,6 +37,12 @@ pub struct LoadOptions {
     pub progress: Option<Arc<ProgressFn>>,
     /// Set to `true` to cancel a load in flight; it then fails with [`Error::Cancelled`].
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Bytes of one ranged GET from an object store (one GET may fill several slots).
+    pub object_chunk: u64,
+    /// Ranged GETs in flight at once.
+    pub object_concurrency: usize,
+    /// Object store client configuration (credentials, endpoint, retries, timeout).
+    pub object: ObjectOptions,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -46,6 +53,9 @@ impl std::fmt::Debug for LoadOptions {
             .field("slot_size", &self.slot_size)
             .field("slots", &self.slots)
             .field("uring_depth", &self.uring_depth)
+            .field("object_chunk", &self.object_chunk)
+            .field("object_concurrency", &self.object_concurrency)
+            .field("object", &self.object)
             .finish_non_exhaustive()
     }
 }
@@ -75,8 +85,28 @@ impl Default for LoadOptions {
                 .map_or(settings::DEFAULT_URING_DEPTH, |n| n as u32),
             progress: None,
             cancel: None,
+            object_chunk: num(settings::OBJECT_CHUNK)
+                .map_or(settings::DEFAULT_OBJECT_CHUNK, |n| n)
+                .max(1),
+            object_concurrency: num(settings::OBJECT_CONCURRENCY)
+                .map_or(settings::DEFAULT_OBJECT_CONCURRENCY, |n| n as usize)
+                .max(1),
+            object: default_object_options(),
         }
     }
+}
+
+/// Object store options from the `TENSORFERRY_OBJECT_*` variables.
+pub(crate) fn default_object_options() -> ObjectOptions {
+    let num = |name: &str| settings::var(name).and_then(|v| v.trim().parse::<u64>().ok());
+    let mut o = ObjectOptions::default();
+    if let Some(n) = num(settings::OBJECT_RETRIES) {
+        o.retries = n as usize;
+    }
+    if let Some(n) = num(settings::OBJECT_TIMEOUT) {
+        o.timeout = std::time::Duration::from_secs(n.max(1));
+    }
+    o
 }
 
 /// A tensor loaded into host memory, owning its bytes.
@@ -293,7 +323,12 @@ impl Loader {
         let mut out = Vec::with_capacity(specs.len());
         let mut extents = Vec::with_capacity(specs.len());
         for (i, (path, spec)) in specs.iter().enumerate() {
-            let file_len = LocalFile::open(path)?.len();
+            let file_len = if is_url(path) {
+                let f = ObjectFile::open(&path.to_string_lossy(), &self.opts.object)?;
+                f.len().unwrap_or(0)
+            } else {
+                LocalFile::open(path)?.len()
+            };
             let (offset, len) = spec
                 .byte_range(file_len)
                 .map_err(|e| Error::invalid(path, e))?;
@@ -375,6 +410,12 @@ impl Loader {
             direct_chunk: settings::DIRECT_CHUNK,
             cancel: cancel.or(self.opts.cancel.as_deref()),
             progress: progress.or(self.opts.progress.as_deref()),
+            object: ObjectRun {
+                chunk: self.opts.object_chunk,
+                concurrency: self.opts.object_concurrency,
+                retries: self.opts.object.retries,
+            },
+            object_options: &self.opts.object,
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { pipeline::run(paths, extents, targets, sink, &pool, &run) }

@@ -9,10 +9,11 @@ use std::time::Instant;
 use crate::device::cuda::GdsState;
 use crate::device::staging::{Slot, StagingPool};
 use crate::error::{Error, Result};
+use crate::io::object::ObjectRun;
 use crate::io::{self, Control, Engine, EngineChoice, ProgressFn, DIRECT_ALIGN};
 use crate::plan::{self, Extent, PlanOptions, Read};
 use crate::settings;
-use crate::source::{local, LocalFile};
+use crate::source::{is_url, local, LocalFile, ObjectFile, ObjectOptions};
 
 /// A destination buffer, given by address. The caller keeps it alive and untouched for
 /// the whole load.
@@ -127,6 +128,10 @@ pub struct RunOptions<'a> {
     pub cancel: Option<&'a AtomicBool>,
     /// Progress callback.
     pub progress: Option<&'a ProgressFn>,
+    /// Shape of object store reads (GET size, concurrency, resumes).
+    pub object: ObjectRun,
+    /// Object store client configuration.
+    pub object_options: &'a ObjectOptions,
 }
 
 /// What a load did.
@@ -286,6 +291,123 @@ pub unsafe fn run(
 ) -> Result<Report> {
     let start = Instant::now();
     check_extents(paths, extents, targets)?;
+    let total: u64 = extents.iter().map(|e| e.len).sum();
+    let ctl = Control::new(total, opts.cancel, opts.progress);
+    // Object store URLs and local files go to their own engines; each side sees its
+    // files under indices of its own.
+    let (remote_paths, remote_extents, remote_reports) = split(paths, extents, true);
+    let (local_paths, local_extents, _) = split(paths, extents, false);
+    let mut reports = Vec::new();
+    if !local_extents.is_empty() || remote_extents.is_empty() {
+        // SAFETY: forwarded from this function's contract.
+        reports = unsafe {
+            run_local(
+                &local_paths,
+                &local_extents,
+                targets,
+                sink,
+                pool,
+                opts,
+                &ctl,
+            )?
+        };
+    }
+    if !remote_extents.is_empty() && !ctl.should_stop() {
+        run_remote(&remote_paths, &remote_extents, sink, pool, opts, &ctl)?;
+        reports.extend(remote_reports);
+    }
+    let finished = sink.finish();
+    ctl.finish()?;
+    finished?;
+    Ok(Report {
+        bytes: total,
+        seconds: start.elapsed().as_secs_f64(),
+        files: reports,
+    })
+}
+
+/// The paths that are (`remote`) or are not URLs, and the extents of those, renumbered,
+/// with a report line per file read.
+fn split(
+    paths: &[PathBuf],
+    extents: &[Extent],
+    remote: bool,
+) -> (Vec<PathBuf>, Vec<Extent>, Vec<FileReport>) {
+    let mut index = vec![None; paths.len()];
+    let mut sub = Vec::new();
+    for (i, p) in paths.iter().enumerate() {
+        if is_url(p) == remote {
+            index[i] = Some(sub.len());
+            sub.push(p.clone());
+        }
+    }
+    let ext: Vec<Extent> = extents
+        .iter()
+        .filter_map(|e| index[e.file].map(|file| Extent { file, ..*e }))
+        .collect();
+    let reports = sub
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| {
+            let bytes: u64 = ext.iter().filter(|e| e.file == i).map(|e| e.len).sum();
+            (bytes > 0).then(|| FileReport {
+                path: p.clone(),
+                engine: Engine::Object,
+                bytes,
+                resident: None,
+            })
+        })
+        .collect();
+    (sub, ext, reports)
+}
+
+/// Reads object store extents: slot-sized reads, grouped into ranged GETs.
+fn run_remote(
+    paths: &[PathBuf],
+    extents: &[Extent],
+    sink: &dyn Sink,
+    pool: &StagingPool,
+    opts: &RunOptions,
+    ctl: &Control,
+) -> Result<()> {
+    let objects = paths
+        .iter()
+        .map(|p| ObjectFile::at(&p.to_string_lossy(), opts.object_options))
+        .collect::<Result<Vec<_>>>()?;
+    let reads = plan::plan(
+        extents,
+        PlanOptions {
+            align: 1,
+            max_read: pool.slot_size() as u64,
+            max_gap: 64 * 1024,
+        },
+    );
+    let deliver = |read: &Read, slot: Slot| sink.deliver(read, slot);
+    let t = Instant::now();
+    io::object::run(&objects, &reads, pool, opts.object, ctl, &deliver);
+    let bytes: u64 = extents.iter().map(|e| e.len).sum();
+    log::debug!(
+        "ranged-get: {bytes} bytes in {:.1} ms ({:.2} GB/s)",
+        t.elapsed().as_secs_f64() * 1e3,
+        bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+    );
+    Ok(())
+}
+
+/// Reads local extents with the engine each file gets.
+///
+/// # Safety
+/// As [`run`].
+unsafe fn run_local(
+    paths: &[PathBuf],
+    extents: &[Extent],
+    targets: &[Target],
+    sink: &dyn Sink,
+    pool: &StagingPool,
+    opts: &RunOptions,
+    ctl: &Control,
+) -> Result<Vec<FileReport>> {
+    let start = Instant::now();
     let mut wanted = vec![false; paths.len()];
     for e in extents.iter().filter(|e| e.len > 0) {
         wanted[e.file] = true;
@@ -328,13 +450,11 @@ pub unsafe fn run(
             });
         }
     }
-    let total: u64 = extents.iter().map(|e| e.len).sum();
     log::debug!(
         "opened {} file(s) and chose engines in {:.1} ms",
         paths.len(),
         start.elapsed().as_secs_f64() * 1e3
     );
-    let ctl = Control::new(total, opts.cancel, opts.progress);
     let deliver = |read: &Read, slot: Slot| sink.deliver(read, slot);
     let all_host = targets.iter().all(|t| matches!(t, Target::Host { .. }));
     for engine in [
@@ -355,6 +475,7 @@ pub unsafe fn run(
         let group_start = Instant::now();
         let group_bytes: u64 = group.iter().map(|e| e.len).sum();
         match engine {
+            Engine::Object => unreachable!("object store files are read by run_remote"),
             Engine::Gds => {
                 // SAFETY: targets are valid and exclusive (this function's contract), the
                 // extents were checked against them, and a file gets Gds only when every
@@ -366,7 +487,7 @@ pub unsafe fn run(
                         targets,
                         opts.threads,
                         settings::GDS_CHUNK,
-                        &ctl,
+                        ctl,
                     );
                 };
             }
@@ -383,7 +504,7 @@ pub unsafe fn run(
                     |p: &plan::Piece| sink.host_ptr(p.dest, p.dest_offset).expect("host target");
                 // SAFETY: targets are valid and exclusive (this function's contract) and
                 // pieces never overlap.
-                unsafe { io::pread::run_direct_to_host(&files, &reads, opts.threads, &ctl, &dest) };
+                unsafe { io::pread::run_direct_to_host(&files, &reads, opts.threads, ctl, &dest) };
             }
             Engine::Pread => {
                 let reads = plan::plan(
@@ -394,7 +515,7 @@ pub unsafe fn run(
                         max_gap: 64 * 1024,
                     },
                 );
-                io::pread::run_staged(&files, &reads, pool, opts.threads, &ctl, &deliver);
+                io::pread::run_staged(&files, &reads, pool, opts.threads, ctl, &deliver);
             }
             Engine::PreadDirect | Engine::Uring => {
                 let reads = plan::plan(
@@ -406,9 +527,9 @@ pub unsafe fn run(
                     },
                 );
                 if engine == Engine::Uring {
-                    io::uring::run(&files, &reads, pool, opts.uring_depth, &ctl, &deliver);
+                    io::uring::run(&files, &reads, pool, opts.uring_depth, ctl, &deliver);
                 } else {
-                    io::pread::run_staged(&files, &reads, pool, opts.threads, &ctl, &deliver);
+                    io::pread::run_staged(&files, &reads, pool, opts.threads, ctl, &deliver);
                 }
             }
         }
@@ -418,14 +539,7 @@ pub unsafe fn run(
             group_bytes as f64 / group_start.elapsed().as_secs_f64() / 1e9
         );
     }
-    let finished = sink.finish();
-    ctl.finish()?;
-    finished?;
-    Ok(Report {
-        bytes: total,
-        seconds: start.elapsed().as_secs_f64(),
-        files: reports,
-    })
+    Ok(reports)
 }
 
 fn check_extents(paths: &[PathBuf], extents: &[Extent], targets: &[Target]) -> Result<()> {

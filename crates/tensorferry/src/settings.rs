@@ -18,6 +18,16 @@ pub const CUFILE_LIB: &str = "TENSORFERRY_CUFILE_LIB";
 /// `O_DIRECT` policy of saves: `auto` (for files of 64 MiB or more, where the file
 /// system accepts it), `on` (wherever accepted) or `off`. Default `auto`.
 pub const SAVE_DIRECT: &str = "TENSORFERRY_SAVE_DIRECT";
+/// Bytes of one ranged GET from an object store (suffixes K, M, G). Default 8 MiB.
+pub const OBJECT_CHUNK: &str = "TENSORFERRY_OBJECT_CHUNK";
+/// Ranged GETs (or upload parts) in flight at once per load (or save). Default 16.
+pub const OBJECT_CONCURRENCY: &str = "TENSORFERRY_OBJECT_CONCURRENCY";
+/// Retries of a failed object store request (5xx, 429, timeouts, dropped connections).
+/// Default 10.
+pub const OBJECT_RETRIES: &str = "TENSORFERRY_OBJECT_RETRIES";
+/// Seconds an object store request may go without progress before it is retried.
+/// Default 30.
+pub const OBJECT_TIMEOUT: &str = "TENSORFERRY_OBJECT_TIMEOUT";
 /// Log filter for the CLI (`error`, `warn`, `info`, `debug`, `trace`). Default `warn`.
 pub const LOG: &str = "TENSORFERRY_LOG";
 
@@ -37,6 +47,17 @@ pub const DIRECT_CHUNK: u64 = 8 << 20;
 /// Largest single `cuFileRead` of the `gds` engine (extents are split into chunks this
 /// size, spread over the reader threads).
 pub const GDS_CHUNK: u64 = 16 << 20;
+
+/// Default bytes of one ranged GET (and of one multipart upload part).
+pub const DEFAULT_OBJECT_CHUNK: u64 = 8 << 20;
+/// Default ranged GETs (or upload parts) in flight.
+pub const DEFAULT_OBJECT_CONCURRENCY: usize = 16;
+/// Default retries of one object store request.
+pub const DEFAULT_OBJECT_RETRIES: usize = 10;
+/// Default per-request timeout, in seconds.
+pub const DEFAULT_OBJECT_TIMEOUT_S: u64 = 30;
+/// Longest time, in seconds, a request is retried before its error is final.
+pub const DEFAULT_OBJECT_RETRY_WINDOW_S: u64 = 180;
 
 /// Reads a variable, or `None` when unset or empty.
 pub fn var(name: &str) -> Option<String> {

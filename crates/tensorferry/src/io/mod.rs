@@ -3,6 +3,7 @@
 //! memory); which one a file gets is a named policy.
 
 pub mod gds;
+pub mod object;
 pub mod pread;
 pub mod uring;
 pub mod write;
@@ -76,6 +77,8 @@ pub enum Engine {
     Uring,
     /// cuFile, straight into CUDA memory (no staging).
     Gds,
+    /// Concurrent ranged GETs from an object store (S3, GCS, Azure, HTTP) into staging.
+    Object,
 }
 
 impl Engine {
@@ -92,6 +95,7 @@ impl fmt::Display for Engine {
             Self::PreadDirect => "pread+O_DIRECT",
             Self::Uring => "io_uring+O_DIRECT",
             Self::Gds => "gds",
+            Self::Object => "ranged-get",
         })
     }
 }

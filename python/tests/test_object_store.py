@@ -1,0 +1,164 @@
+"""Loads from object stores through the Python API: s3:// (a real `s3s-fs` server with
+signature checks) and http:// (a local server honouring Range), of files written by the
+reference safetensors. Tests whose server is missing skip, saying why."""
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+import tensorferry
+import tensorferry.torch as tft
+
+KEY, SECRET = "pyaccesskey", "py-secret-never-printed-42"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _s3s_fs() -> str | None:
+    for c in (os.environ.get("S3S_FS"), shutil.which("s3s-fs"), os.path.expanduser("~/.cargo/bin/s3s-fs")):
+        if c and os.path.isfile(c):
+            return c
+    return None
+
+
+@pytest.fixture
+def s3(tmp_path, monkeypatch):
+    exe = _s3s_fs()
+    if exe is None:
+        pytest.skip("s3s-fs not installed (cargo install s3s-fs --version 0.14.1 --features binary --locked)")
+    root = tmp_path / "s3root"
+    (root / "bucket").mkdir(parents=True)
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--access-key", KEY,
+                             "--secret-key", SECRET, str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                proc.kill()
+                pytest.skip("s3s-fs did not start")
+            time.sleep(0.05)
+    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": KEY,
+                 "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(k, v)
+    yield root / "bucket"
+    proc.kill()
+    proc.wait()
+
+
+class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a directory, honouring `Range: bytes=a-b`."""
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def send_head(self):
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return None
+        size = os.path.getsize(path)
+        f = open(path, "rb")  # noqa: SIM115 - closed by copyfile's caller
+        rng = self.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            a, b = rng[6:].split("-")
+            lo, hi = int(a), min(int(b) if b else size - 1, size - 1)
+            f.seek(lo)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {lo}-{hi}/{size}")
+            length = hi - lo + 1
+        else:
+            self.send_response(200)
+            length = size
+        self.send_header("Content-Length", str(length))
+        self.send_header("ETag", f'"{size:x}"')
+        self.send_header("Last-Modified", self.date_time_string(int(os.path.getmtime(path))))
+        self.end_headers()
+        self._left = length
+        return f
+
+    def copyfile(self, source, outputfile):
+        outputfile.write(source.read(self._left))
+
+
+@pytest.fixture
+def http_dir(tmp_path):
+    d = tmp_path / "www"
+    d.mkdir()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                          lambda *a: _RangeHandler(*a, directory=str(d)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield d, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(7)
+    return {"a": torch.randn(300, 77, generator=g), "b": torch.arange(1001, dtype=torch.int16),
+            "c": torch.randn(3, dtype=torch.float64), "empty": torch.zeros(0, 4)}
+
+
+def _same(got, want):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_load_file_and_safe_open_from_s3(s3):
+    ref = _tensors()
+    safetensors.torch.save_file(ref, str(s3 / "model.safetensors"), metadata={"format": "pt"})
+    _same(tft.load_file("s3://bucket/model.safetensors"), ref)
+    with tensorferry.safe_open("s3://bucket/model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert torch.equal(f.get_tensor("b"), ref["b"])
+
+
+def test_sharded_prefix_from_s3(s3):
+    ref = _tensors()
+    d = s3 / "ck"
+    d.mkdir()
+    safetensors.torch.save_file({"a": ref["a"]}, str(d / "m-1.safetensors"))
+    safetensors.torch.save_file({"b": ref["b"], "c": ref["c"]}, str(d / "m-2.safetensors"))
+    (d / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors", "c": "m-2.safetensors"}}')
+    got = tft.load_file("s3://bucket/ck")
+    _same(got, {k: ref[k] for k in "abc"})
+
+
+def test_s3_errors_name_url_not_secret(s3, monkeypatch):
+    with pytest.raises(tensorferry.errors.NotFoundError) as e:
+        tft.load_file("s3://bucket/missing.safetensors")
+    assert "s3://bucket/missing.safetensors" in str(e.value)
+    safetensors.torch.save_file(_tensors(), str(s3 / "m.safetensors"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "bad-secret-value-1234")
+    with pytest.raises(tensorferry.errors.PermissionDeniedError) as e:
+        tft.load_file("s3://bucket/m.safetensors")
+    assert "s3://bucket/m.safetensors" in str(e.value) and "bad-secret-value-1234" not in str(e.value)
+
+
+def test_load_file_and_raw_tensor_from_http(http_dir):
+    d, base = http_dir
+    ref = _tensors()
+    safetensors.torch.save_file(ref, str(d / "m.safetensors"))
+    _same(tft.load_file(f"{base}/m.safetensors"), ref)
+    raw = torch.arange(5000, dtype=torch.float32)
+    (d / "raw.bin").write_bytes(raw.numpy().tobytes())
+    got = tft.load_tensor(f"{base}/raw.bin", 5000, dtype=torch.float32, device="cpu")
+    assert torch.equal(got, raw)
