@@ -315,81 +315,28 @@ impl NativeLoader {
             })
             .collect();
         let total: u64 = extents.iter().map(|e| e.len).sum();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicU64::new(0));
         let loader = Arc::clone(&self.inner);
-        let (tx, rx) = mpsc::channel();
-        let (c, d) = (Arc::clone(&cancel), Arc::clone(&done));
-        let worker = std::thread::Builder::new()
-            .name("tensorferry-load".into())
-            .spawn(move || {
-                let counter = move |n: u64, _total: u64| d.store(n, Ordering::Relaxed);
+        let report = run_detached(
+            py,
+            "tensorferry-load",
+            progress,
+            total,
+            move |cancel, counter| {
                 // SAFETY: the Python caller keeps the target tensors alive and unused until
                 // this call returns, and this call never returns before the worker ends.
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+                unsafe {
                     loader.read_into_targets_with(
                         &files,
                         &extents,
                         &targets,
                         stream,
-                        Some(&c),
-                        Some(&counter),
+                        Some(cancel),
+                        Some(counter),
                     )
-                }));
-                let _ = tx.send(r);
-            })
-            .map_err(|e| PyRuntimeError::new_err(format!("spawning the load thread: {e}")))?;
-        let progress_cb = progress.as_ref().map(|p| p.clone_ref(py));
-        let (outcome, interrupted) = py.detach(move || {
-            let mut interrupted: Option<PyErr> = None;
-            let outcome = loop {
-                match rx.recv_timeout(Duration::from_millis(50)) {
-                    Ok(r) => break r,
-                    Err(mpsc::RecvTimeoutError::Timeout) => Python::attach(|py| {
-                        if interrupted.is_none() {
-                            if let Err(e) = py.check_signals() {
-                                cancel.store(true, Ordering::Relaxed);
-                                interrupted = Some(e);
-                            }
-                        }
-                        if let Some(cb) = &progress_cb {
-                            if let Err(e) = cb.call1(py, (done.load(Ordering::Relaxed), total)) {
-                                cancel.store(true, Ordering::Relaxed);
-                                interrupted.get_or_insert(e);
-                            }
-                        }
-                    }),
-                    Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        break Err(Box::new("load thread ended without a result")
-                            as Box<dyn std::any::Any + Send>)
-                    }
                 }
-            };
-            (outcome, interrupted)
-        });
-        let _ = worker.join();
-        if let Some(e) = interrupted {
-            return Err(e);
-        }
-        match outcome {
-            Ok(Ok(report)) => {
-                if let Some(cb) = &progress {
-                    cb.call1(py, (report.bytes, total))?;
-                }
-                report_dict(py, &report)
-            }
-            Ok(Err(e)) => Err(to_py(e)),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                Err(to_py(Error::Cuda(format!(
-                    "internal error (please report): {what}"
-                ))))
-            }
-        }
+            },
+        )?;
+        report_dict(py, &report)
     }
 }
 
@@ -497,11 +444,12 @@ fn run_detached<T: Send + 'static>(
     py: Python<'_>,
     name: &str,
     progress: Option<Py<PyAny>>,
+    total_hint: u64,
     job: impl FnOnce(&AtomicBool, &ProgressFn) -> tensorferry::Result<T> + Send + 'static,
 ) -> PyResult<T> {
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
-    let total = Arc::new(AtomicU64::new(0));
+    let total = Arc::new(AtomicU64::new(total_hint));
     let (tx, rx) = mpsc::channel();
     let (c, d, t) = (Arc::clone(&cancel), Arc::clone(&done), Arc::clone(&total));
     let worker = std::thread::Builder::new()
@@ -564,11 +512,23 @@ fn run_detached<T: Send + 'static>(
                 .map(|s| (*s).to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            Err(to_py(Error::Cuda(format!(
-                "internal error (please report): {what}"
-            ))))
+            Err(internal_error(&what))
         }
     }
+}
+
+/// A Rust panic, as `tensorferry.TensorferryError` (never a crash or a `PanicException`).
+fn internal_error(what: &str) -> PyErr {
+    let message = format!("internal error (please report it): {what}");
+    Python::attach(|py| {
+        py.import("tensorferry.errors")
+            .and_then(|m| m.getattr("TensorferryError"))
+            .and_then(|cls| cls.call1((message.clone(),)))
+            .map_or_else(
+                |_| PyRuntimeError::new_err(message.clone()),
+                PyErr::from_value,
+            )
+    })
 }
 
 /// Holds save options, a staging pool and CUDA streams; every save runs with the GIL
@@ -636,20 +596,26 @@ impl NativeSaver {
     ) -> PyResult<Py<PyDict>> {
         let raw = raw_tensors(tensors)?;
         let saver = Arc::clone(&self.inner);
-        let report = run_detached(py, "tensorferry-save", progress, move |cancel, counter| {
-            // SAFETY: the Python caller keeps the memory alive and unchanged until this
-            // call returns, and it never returns before the worker ends.
-            let list = unsafe { save_tensors(&raw) };
-            saver.save_safetensors_with(
-                &path,
-                &list,
-                metadata.as_ref(),
-                SaveControl {
-                    cancel: Some(cancel),
-                    progress: Some(counter),
-                },
-            )
-        })?;
+        let report = run_detached(
+            py,
+            "tensorferry-save",
+            progress,
+            0,
+            move |cancel, counter| {
+                // SAFETY: the Python caller keeps the memory alive and unchanged until this
+                // call returns, and it never returns before the worker ends.
+                let list = unsafe { save_tensors(&raw) };
+                saver.save_safetensors_with(
+                    &path,
+                    &list,
+                    metadata.as_ref(),
+                    SaveControl {
+                        cancel: Some(cancel),
+                        progress: Some(counter),
+                    },
+                )
+            },
+        )?;
         save_report_dict(py, &report)
     }
 
@@ -670,21 +636,27 @@ impl NativeSaver {
     ) -> PyResult<Py<PyDict>> {
         let raw = raw_tensors(tensors)?;
         let saver = Arc::clone(&self.inner);
-        let report = run_detached(py, "tensorferry-save", progress, move |cancel, counter| {
-            // SAFETY: as in `save_safetensors`.
-            let list = unsafe { save_tensors(&raw) };
-            saver.save_sharded_with(
-                &directory,
-                &list,
-                max_shard_size,
-                metadata.as_ref(),
-                index_metadata.as_ref(),
-                SaveControl {
-                    cancel: Some(cancel),
-                    progress: Some(counter),
-                },
-            )
-        })?;
+        let report = run_detached(
+            py,
+            "tensorferry-save",
+            progress,
+            0,
+            move |cancel, counter| {
+                // SAFETY: as in `save_safetensors`.
+                let list = unsafe { save_tensors(&raw) };
+                saver.save_sharded_with(
+                    &directory,
+                    &list,
+                    max_shard_size,
+                    metadata.as_ref(),
+                    index_metadata.as_ref(),
+                    SaveControl {
+                        cancel: Some(cancel),
+                        progress: Some(counter),
+                    },
+                )
+            },
+        )?;
         save_report_dict(py, &report)
     }
 
@@ -699,7 +671,7 @@ impl NativeSaver {
     ) -> PyResult<u64> {
         let raw = RawSource::new(&source.0, source.1, source.2, source.3)?;
         let saver = Arc::clone(&self.inner);
-        let report = run_detached(py, "tensorferry-write", None, move |cancel, counter| {
+        let report = run_detached(py, "tensorferry-write", None, 0, move |cancel, counter| {
             // SAFETY: as in `save_safetensors`.
             let src = unsafe { raw.source() };
             saver.write_at_with(
