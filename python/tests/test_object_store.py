@@ -162,3 +162,21 @@ def test_load_file_and_raw_tensor_from_http(http_dir):
     (d / "raw.bin").write_bytes(raw.numpy().tobytes())
     got = tft.load_tensor(f"{base}/raw.bin", 5000, dtype=torch.float32, device="cpu")
     assert torch.equal(got, raw)
+
+
+def test_save_file_and_sharded_to_s3_load_back_equal(s3, tmp_path):
+    sd = {"w": torch.randn(300, 257), "b": torch.arange(1000, dtype=torch.int64), "s": torch.tensor(3.5)}
+    tft.save_file(sd, "s3://bucket/out/model.safetensors", metadata={"format": "pt"})
+    # Byte-identical to what safetensors writes, and loads back equal.
+    ref = tmp_path / "ref.safetensors"
+    safetensors.torch.save_file(sd, str(ref), metadata={"format": "pt"})
+    assert (s3 / "out" / "model.safetensors").read_bytes() == ref.read_bytes()
+    back = tft.load_file("s3://bucket/out/model.safetensors")
+    assert back.keys() == sd.keys()
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+    tft.save_sharded(sd, "s3://bucket/ck", max_shard_size=100_000)
+    assert (s3 / "ck" / "model.safetensors.index.json").is_file()
+    back = tft.load_file("s3://bucket/ck")
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k

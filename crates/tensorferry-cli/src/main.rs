@@ -1,6 +1,7 @@
-//! `tensorferry`: inspect, load, demo and diagnose tensor checkpoints from the shell.
+//! `tensorferry`: inspect, load, copy, demo and diagnose tensor checkpoints from the shell.
 //! Data goes to stdout, progress and logs to stderr; `--json` for scripts.
 
+mod cp;
 mod demo;
 mod doctor;
 mod inspect;
@@ -31,6 +32,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Load checkpoints or raw files and report bytes, seconds, GB/s and engines.
     Load(load::Args),
+    /// Copy a file or a sharded checkpoint between local paths and object stores.
+    Cp(cp::Args),
     /// Make a sample sharded checkpoint and load it with tensorferry and a plain baseline.
     Demo(demo::Args),
     /// Report what this machine offers: kernel, io_uring, O_DIRECT, CUDA, GDS.
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(&a),
         Command::Load(a) => load::run(&a),
+        Command::Cp(a) => cp::run(&a),
         Command::Demo(a) => demo::run(&a),
         Command::Doctor(a) => doctor::run(&a),
     };

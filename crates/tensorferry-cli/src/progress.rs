@@ -39,6 +39,14 @@ impl Bar {
         self.bar.set_position(done);
     }
 
+    /// Records progress of `total` bytes (the total learnt as the work runs).
+    pub fn update_of(&self, done: u64, total: u64) {
+        if self.bar.length() != Some(total) {
+            self.bar.set_length(total);
+        }
+        self.update(done);
+    }
+
     /// Removes the bar.
     pub fn finish(&self) {
         self.bar.finish_and_clear();

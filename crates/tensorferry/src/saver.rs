@@ -36,6 +36,7 @@ use crate::format::{index, safetensors, Dtype};
 use crate::io::write::{self, Dest, DeviceCopier, Pending, Piece, Segment, Src, WritePlan};
 use crate::io::{Control, ProgressFn, DIRECT_ALIGN};
 use crate::settings;
+use crate::source::{is_url, Location, ObjectFile, ObjectOptions};
 
 /// Files at least this large are written with `O_DIRECT` under [`DirectPolicy::Auto`].
 pub const DIRECT_MIN_BYTES: u64 = 64 << 20;
@@ -57,6 +58,12 @@ pub const WRITE_OPS: [&str; 9] = [
     "create directory",
 ];
 
+/// Saves to object stores: when the destination is an object URL (`s3://`, `gs://`,
+/// `az://`, ...), the same write plan (slot-sized writes) becomes the parts of a multipart
+/// upload, sent in parallel from the staging slots; the object appears only when every
+/// part has landed, and any error or cancellation aborts the upload (nothing appears).
+/// A sharded save to a prefix writes the shards, then the index last.
+///
 /// When saves use `O_DIRECT` (which bypasses the page cache: no dirty gigabytes to flush
 /// at `fsync`, no cache evicted). Where the file system refuses it, writes are buffered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -110,6 +117,8 @@ pub struct SaveOptions {
     pub direct: DirectPolicy,
     /// CUDA streams per device that device-to-host copies are spread over.
     pub streams: usize,
+    /// Object store configuration, for destinations that are URLs.
+    pub object: ObjectOptions,
 }
 
 impl Default for SaveOptions {
@@ -127,6 +136,7 @@ impl Default for SaveOptions {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_default(),
             streams: settings::STREAMS_DEFAULT,
+            object: crate::loader::default_object_options(),
         }
     }
 }
@@ -471,18 +481,23 @@ impl Saver {
                 )
             })
             .collect::<Result<_>>()?;
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create directory", 0, e))?;
-        let index_path = dir.join(index::INDEX_FILE_NAME);
-        match std::fs::remove_file(&index_path) {
-            Ok(()) => sync_dir(dir)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io(&index_path, "remove", 0, e)),
+        let loc = Location::of(dir);
+        let index_path = loc.join(index::INDEX_FILE_NAME);
+        if let Location::Url(_) = loc {
+            ObjectFile::at(&index_path.to_string_lossy(), &self.opts.object)?.delete()?;
+        } else {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create directory", 0, e))?;
+            match std::fs::remove_file(&index_path) {
+                Ok(()) => sync_dir(dir)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&index_path, "remove", 0, e)),
+            }
         }
         let total = prepared.iter().map(|p| p.total).sum();
         let ctl = Control::new(total, control.cancel, control.progress);
         let mut files = Vec::with_capacity(n + 1);
         for (p, name) in prepared.iter().zip(&names) {
-            files.push(self.commit(&dir.join(name), p, self.opts.direct, &ctl)?);
+            files.push(self.commit(&loc.join(name), p, self.opts.direct, &ctl)?);
         }
         if n > 1 {
             let mut weight_map = BTreeMap::new();
@@ -511,7 +526,10 @@ impl Saver {
             let ctl = Control::new(p.total, control.cancel, None);
             files.push(self.commit(&index_path, &p, DirectPolicy::Off, &ctl)?);
         }
-        remove_stale(dir, &names)?;
+        match &loc {
+            Location::Url(url) => remove_stale_objects(url, &names, &self.opts.object)?,
+            Location::Local(_) => remove_stale(dir, &names)?,
+        }
         Ok(SaveReport {
             bytes: files.iter().map(|f| f.bytes).sum(),
             seconds: start.elapsed().as_secs_f64(),
@@ -586,6 +604,9 @@ impl Saver {
         policy: DirectPolicy,
         ctl: &Control,
     ) -> Result<SavedFile> {
+        if is_url(path) {
+            return self.upload(&path.to_string_lossy(), prepared, ctl);
+        }
         let (dir, name) = split_path(path)?;
         if path.is_dir() {
             return Err(Error::InvalidArgument(format!(
@@ -636,6 +657,43 @@ impl Saver {
         })
     }
 
+    /// Uploads `prepared` to the object at `url` as a multipart upload: the write plan's
+    /// slot-sized writes (as for `O_DIRECT`) gathered into parts and sent from the slots.
+    /// The object appears only once complete; on any error the upload is aborted.
+    fn upload(&self, url: &str, prepared: &Prepared, ctl: &Control) -> Result<SavedFile> {
+        let object = ObjectFile::at(url, &self.opts.object)?;
+        let pool = self.staging()?;
+        let writes = write::plan(
+            &prepared.segments,
+            WritePlan {
+                direct: true,
+                slot_size: pool.slot_size(),
+                max_host_write: settings::DIRECT_CHUNK as usize,
+            },
+        );
+        let copier = self.copier(&pool, &prepared.segments)?;
+        let mut upload = object.upload()?;
+        let parts = write::Parts::new(&mut upload, pool.slot_size(), pool.count(), pool.count());
+        // SAFETY: as in `run`.
+        unsafe {
+            write::run_upload(
+                parts,
+                &writes,
+                &pool,
+                copier.as_ref().map(|c| c as &dyn DeviceCopier),
+                ctl,
+            );
+        }
+        // On error the upload is dropped here, which aborts it.
+        ctl.finish()?;
+        upload.complete()?;
+        Ok(SavedFile {
+            path: PathBuf::from(url),
+            bytes: prepared.total,
+            direct: false,
+        })
+    }
+
     /// Plans and runs the writes of `segments` into `dest`.
     fn run(&self, dest: Dest<'_>, segments: &[Segment], direct: bool, ctl: &Control) -> Result<()> {
         let pool = self.staging()?;
@@ -647,29 +705,7 @@ impl Saver {
                 max_host_write: settings::DIRECT_CHUNK as usize,
             },
         );
-        let mut devices: Vec<usize> = segments
-            .iter()
-            .filter(|s| s.len > 0)
-            .filter_map(|s| match s.src {
-                Src::Device { device, .. } => Some(device),
-                Src::Host(_) => None,
-            })
-            .collect();
-        devices.sort_unstable();
-        devices.dedup();
-        let copier = if devices.is_empty() {
-            None
-        } else {
-            cuda::register_pool(&pool)?;
-            let mut by_device = HashMap::new();
-            for d in devices {
-                by_device.insert(d, self.streams(d)?);
-            }
-            Some(CudaCopier {
-                devices: by_device,
-                next: AtomicUsize::new(0),
-            })
-        };
+        let copier = self.copier(&pool, segments)?;
         // SAFETY: the sources are the callers' borrows (host slices, device regions whose
         // constructor's contract covers this call), alive until this returns.
         unsafe {
@@ -683,6 +719,33 @@ impl Saver {
             );
         }
         Ok(())
+    }
+
+    /// The device-to-host stage for the devices `segments` read from (none for host
+    /// memory only).
+    fn copier(&self, pool: &StagingPool, segments: &[Segment]) -> Result<Option<CudaCopier>> {
+        let mut devices: Vec<usize> = segments
+            .iter()
+            .filter(|s| s.len > 0)
+            .filter_map(|s| match s.src {
+                Src::Device { device, .. } => Some(device),
+                Src::Host(_) => None,
+            })
+            .collect();
+        devices.sort_unstable();
+        devices.dedup();
+        if devices.is_empty() {
+            return Ok(None);
+        }
+        cuda::register_pool(pool)?;
+        let mut by_device = HashMap::new();
+        for d in devices {
+            by_device.insert(d, self.streams(d)?);
+        }
+        Ok(Some(CudaCopier {
+            devices: by_device,
+            next: AtomicUsize::new(0),
+        }))
     }
 
     /// The streams of device `device`, created on first use.
@@ -803,7 +866,7 @@ fn prepare(
 }
 
 /// `(directory, file name)` of a path to save to.
-fn split_path(path: &Path) -> Result<(PathBuf, std::ffi::OsString)> {
+pub(crate) fn split_path(path: &Path) -> Result<(PathBuf, std::ffi::OsString)> {
     let name = path
         .file_name()
         .ok_or_else(|| Error::InvalidArgument(format!("{}: not a file path", path.display())))?;
@@ -842,14 +905,14 @@ pub fn cleanup_temps(dir: &Path, name: &std::ffi::OsStr) -> usize {
 }
 
 /// A temporary file in the destination directory, removed on drop unless kept.
-struct TempFile {
-    path: PathBuf,
-    file: File,
+pub(crate) struct TempFile {
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
     keep: bool,
 }
 
 impl TempFile {
-    fn create(dir: &Path, name: &std::ffi::OsStr) -> Result<Self> {
+    pub(crate) fn create(dir: &Path, name: &std::ffi::OsStr) -> Result<Self> {
         const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789_";
         let prefix = temp_prefix(name);
         let mut last = None;
@@ -885,7 +948,7 @@ impl TempFile {
     }
 
     /// The file was renamed to its final name: nothing to remove.
-    fn keep(mut self) {
+    pub(crate) fn keep(mut self) {
         self.keep = true;
     }
 }
@@ -959,8 +1022,27 @@ fn open_direct(tmp: &Path, path: &Path) -> Result<Option<File>> {
     }
 }
 
+/// Deletes the checkpoint objects under the prefix `url` (see [`is_checkpoint_file`])
+/// other than `keep` and the index: what [`remove_stale`] does for a directory.
+fn remove_stale_objects(url: &str, keep: &[String], opts: &ObjectOptions) -> Result<()> {
+    let keep_index = keep.len() > 1;
+    for child in ObjectFile::at(url, opts)?.list_children()? {
+        let text = child.to_string_lossy();
+        let name = text.rsplit('/').next().unwrap_or_default();
+        if !is_checkpoint_file(name.as_bytes())
+            || keep.iter().any(|k| k == name)
+            || (keep_index && name == index::INDEX_FILE_NAME)
+        {
+            continue;
+        }
+        ObjectFile::at(&text, opts)?.delete()?;
+        log::debug!("removed {text} of an earlier save");
+    }
+    Ok(())
+}
+
 /// Makes a directory's entries (a rename, a removal) durable.
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::io(dir, "fsync", 0, e))

@@ -37,6 +37,9 @@ pub const MAX_DEFAULT_THREADS: usize = 16;
 pub const DEFAULT_SLOT_SIZE: usize = 4 << 20;
 /// Default number of staging slots.
 pub const DEFAULT_SLOTS: usize = 32;
+/// Size a multipart upload's parts aim for (S3 wants at least 5 MiB but the last); a
+/// part is as many staging slots as make this, within the pool.
+pub const UPLOAD_PART_SIZE: u64 = 8 << 20;
 /// Default `io_uring` queue depth.
 pub const DEFAULT_URING_DEPTH: u32 = 32;
 /// CUDA streams the copy stage spreads host-to-device copies over.

@@ -33,6 +33,7 @@ fn tiny(direct: DirectPolicy) -> Saver {
         slots: 3,
         direct,
         streams: 2,
+        ..SaveOptions::default()
     })
 }
 

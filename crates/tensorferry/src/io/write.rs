@@ -12,9 +12,13 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::sync::Mutex;
 
+use bytes::Bytes;
+
 use super::{Control, DIRECT_ALIGN};
 use crate::device::staging::{Slot, StagingPool};
 use crate::error::{Error, Result};
+use crate::settings;
+use crate::source::object::Upload;
 
 /// Where a segment's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -412,24 +416,198 @@ unsafe fn write_one(dest: Dest<'_>, w: &Write, job: Job, ctl: &Control) -> Resul
         } => {
             let mut slot = slot.expect("staged writes hold a slot");
             let buf = &mut slot.as_mut_slice()[..*padded];
-            let mut covered = 0;
-            for p in pieces {
-                buf[covered..p.slot_offset].fill(0);
-                if let Src::Host(src) = p.src {
-                    // SAFETY: the source is valid for `p.len` bytes (this function's
-                    // contract); the destination is inside the slot (planned so).
-                    let from = unsafe { std::slice::from_raw_parts(src, p.len) };
-                    buf[p.slot_offset..p.slot_offset + p.len].copy_from_slice(from);
-                }
-                covered = p.slot_offset + p.len;
-            }
-            buf[covered..].fill(0);
+            // SAFETY: forwarded from this function's contract.
+            unsafe { fill_host_pieces(buf, pieces) };
             write_all_at(dest, buf, *offset)?;
             debug_assert!(*len <= *padded);
         }
     }
     ctl.add(w.len() as u64);
     Ok(())
+}
+
+/// Copies the host pieces into `buf` (a slot) and zeroes the bytes no piece covers.
+///
+/// # Safety
+/// Every host source of `pieces` must be valid for reads of its length.
+unsafe fn fill_host_pieces(buf: &mut [u8], pieces: &[Piece]) {
+    let mut covered = 0;
+    for p in pieces {
+        buf[covered..p.slot_offset].fill(0);
+        if let Src::Host(src) = p.src {
+            // SAFETY: the source is valid for `p.len` bytes (this function's contract);
+            // the destination is inside the slot (planned so).
+            let from = unsafe { std::slice::from_raw_parts(src, p.len) };
+            buf[p.slot_offset..p.slot_offset + p.len].copy_from_slice(from);
+        }
+        covered = p.slot_offset + p.len;
+    }
+    buf[covered..].fill(0);
+}
+
+/// The first `len` bytes of a slot as [`Bytes`]; the slot returns to its pool when the
+/// last clone is dropped (once the part holding it has been sent).
+pub fn slot_bytes(slot: Slot, len: usize) -> Bytes {
+    struct Owner(Slot, usize);
+    impl AsRef<[u8]> for Owner {
+        fn as_ref(&self) -> &[u8] {
+            &self.0.as_slice()[..self.1]
+        }
+    }
+    Bytes::from_owner(Owner(slot, len))
+}
+
+/// Slots gathered into the parts of a multipart upload. When the slots an upload may
+/// hold make a part of [`settings::UPLOAD_PART_SIZE`], parts are sent from the slots
+/// themselves (no copy; at most `pool slots / slots per part` parts in flight, so memory
+/// stays bounded by the pool). A pool too small for that (S3 refuses parts under
+/// 5 MiB but the last) has parts gathered in a heap buffer instead, two in flight.
+pub struct Parts<'u> {
+    upload: &'u mut Upload,
+    zero_copy: bool,
+    target: usize,
+    in_flight: usize,
+    chunks: Vec<Bytes>,
+    heap: Vec<u8>,
+    len: usize,
+}
+
+impl<'u> Parts<'u> {
+    /// Parts of `upload` from slots of `slot_size` bytes of a pool of `pool_slots`, of
+    /// which this upload may hold `share` while gathering a part (so that gathering never
+    /// deadlocks).
+    pub fn new(upload: &'u mut Upload, slot_size: usize, pool_slots: usize, share: usize) -> Self {
+        let want = (settings::UPLOAD_PART_SIZE as usize).div_ceil(slot_size.max(1));
+        let zero_copy = want <= share.max(1);
+        if !zero_copy {
+            log::debug!(
+                "staging too small for {} MiB parts: gathering parts in memory",
+                settings::UPLOAD_PART_SIZE >> 20
+            );
+        }
+        Self {
+            upload,
+            zero_copy,
+            target: if zero_copy {
+                want * slot_size
+            } else {
+                settings::UPLOAD_PART_SIZE as usize
+            },
+            in_flight: if zero_copy {
+                (pool_slots / want).max(1)
+            } else {
+                2
+            },
+            chunks: Vec::new(),
+            heap: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// How many slots to gather at once (device copies of them overlap).
+    pub fn slots_per_gather(&self, slot_size: usize) -> usize {
+        if self.zero_copy {
+            self.target / slot_size.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Adds the first `len` bytes of `slot`; sends a part when one is full.
+    pub fn push(&mut self, slot: Slot, len: usize) -> Result<()> {
+        if self.zero_copy {
+            self.chunks.push(slot_bytes(slot, len));
+        } else {
+            if self.heap.is_empty() {
+                self.heap.reserve(self.target);
+            }
+            self.heap.extend_from_slice(&slot.as_slice()[..len]);
+        }
+        self.len += len;
+        if self.len >= self.target {
+            self.send()?;
+        }
+        Ok(())
+    }
+
+    fn send(&mut self) -> Result<()> {
+        self.len = 0;
+        if self.zero_copy {
+            self.upload
+                .put_chunks(std::mem::take(&mut self.chunks), self.in_flight)
+        } else {
+            self.upload
+                .put_part(std::mem::take(&mut self.heap), self.in_flight)
+        }
+    }
+
+    /// Sends what is left as the last part.
+    pub fn finish(mut self) -> Result<()> {
+        if self.len > 0 {
+            self.send()?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `writes` (planned with [`WritePlan::direct`]: slot-sized staged writes in file
+/// order) as the parts of an upload (see [`Parts`]): on the calling thread, a part's
+/// worth of slots at a time are taken from `pool`, the device copies of each queued
+/// (they overlap), the host pieces copied; each part is then sent in the background
+/// while the next is gathered. Stops at the first error (recorded in `ctl`); the caller
+/// then drops the upload, which aborts it.
+///
+/// # Safety
+/// As [`run`].
+pub unsafe fn run_upload(
+    mut parts: Parts<'_>,
+    writes: &[Write],
+    pool: &StagingPool,
+    copier: Option<&dyn DeviceCopier>,
+    ctl: &Control,
+) {
+    let per = parts
+        .slots_per_gather(pool.slot_size())
+        .clamp(1, pool.count());
+    for (g, group) in writes.chunks(per).enumerate() {
+        if ctl.should_stop() {
+            return;
+        }
+        let mut jobs = Vec::with_capacity(group.len());
+        for (i, w) in group.iter().enumerate() {
+            match gather(w, g * per + i, pool, copier) {
+                Ok(job) => jobs.push(job),
+                Err(e) => return ctl.fail(e),
+            }
+        }
+        for (w, job) in group.iter().zip(jobs) {
+            let Write::Staged { len, pieces, .. } = w else {
+                return ctl.fail(Error::InvalidArgument(
+                    "uploads are planned as staged writes".into(),
+                ));
+            };
+            let Job { slot, pending, .. } = job;
+            let mut slot = slot.expect("staged writes hold a slot");
+            if let Some(p) = pending {
+                if let Err(e) = p.wait() {
+                    // The device may still write into the slot: never hand it back.
+                    std::mem::forget(slot);
+                    return ctl.fail(e);
+                }
+            }
+            // SAFETY: forwarded from this function's contract.
+            unsafe { fill_host_pieces(&mut slot.as_mut_slice()[..*len], pieces) };
+            if let Err(e) = parts.push(slot, *len) {
+                return ctl.fail(e);
+            }
+            ctl.add(*len as u64);
+        }
+    }
+    if !ctl.should_stop() {
+        if let Err(e) = parts.finish() {
+            ctl.fail(e);
+        }
+    }
 }
 
 /// Writes all of `data` at `offset`, retrying on `EINTR` and short writes, or fails naming

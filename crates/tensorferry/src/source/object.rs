@@ -433,6 +433,7 @@ impl ObjectFile {
 }
 
 /// A multipart upload in progress: parts go out concurrently as they are added.
+/// (Parts other than the last must be at least 5 MiB on S3.)
 pub struct Upload {
     url: String,
     secrets: Arc<Vec<String>>,
@@ -443,12 +444,22 @@ pub struct Upload {
 impl Upload {
     /// Sends `data` as the next part (parts are numbered in the order added). At most
     /// `max_in_flight` parts are in flight; this waits for the oldest beyond that.
-    pub fn put_part(&mut self, data: Vec<u8>, max_in_flight: usize) -> Result<()> {
+    pub fn put_part(&mut self, data: impl Into<bytes::Bytes>, max_in_flight: usize) -> Result<()> {
+        self.send(PutPayload::from(data.into()), max_in_flight)
+    }
+
+    /// Sends `chunks`, concatenated, as the next part (as [`Upload::put_part`]); each
+    /// chunk's owner (a staging slot, say) is dropped once the part is sent.
+    pub fn put_chunks(&mut self, chunks: Vec<bytes::Bytes>, max_in_flight: usize) -> Result<()> {
+        self.send(chunks.into_iter().collect(), max_in_flight)
+    }
+
+    fn send(&mut self, payload: PutPayload, max_in_flight: usize) -> Result<()> {
         let part = self
             .inner
             .as_mut()
             .expect("upload in progress")
-            .put_part(PutPayload::from(data));
+            .put_part(payload);
         let _guard = runtime().enter();
         self.pending.push(tokio::spawn(part));
         while self.pending.len() > max_in_flight.max(1) {
