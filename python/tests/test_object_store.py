@@ -115,16 +115,17 @@ def _tensors():
             "c": torch.randn(3, dtype=torch.float64), "empty": torch.zeros(0, 4)}
 
 
-def _same(got, want):
+def _same(got, want, device="cpu"):
     assert sorted(got) == sorted(want)
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        assert got[k].device.type == torch.device(device).type, k
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].cpu(), want[k]), k
 
 
-def test_load_file_and_safe_open_from_s3(s3):
+def test_load_file_and_safe_open_from_s3(s3, device):
     ref = _tensors()
     safetensors.torch.save_file(ref, str(s3 / "model.safetensors"), metadata={"format": "pt"})
-    _same(tft.load_file("s3://bucket/model.safetensors"), ref)
+    _same(tft.load_file("s3://bucket/model.safetensors", device=device), ref, device)
     with tensorferry.safe_open("s3://bucket/model.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert torch.equal(f.get_tensor("b"), ref["b"])
@@ -153,15 +154,15 @@ def test_s3_errors_name_url_not_secret(s3, monkeypatch):
     assert "s3://bucket/m.safetensors" in str(e.value) and "bad-secret-value-1234" not in str(e.value)
 
 
-def test_load_file_and_raw_tensor_from_http(http_dir):
+def test_load_file_and_raw_tensor_from_http(http_dir, device):
     d, base = http_dir
     ref = _tensors()
     safetensors.torch.save_file(ref, str(d / "m.safetensors"))
-    _same(tft.load_file(f"{base}/m.safetensors"), ref)
+    _same(tft.load_file(f"{base}/m.safetensors", device=device), ref, device)
     raw = torch.arange(5000, dtype=torch.float32)
     (d / "raw.bin").write_bytes(raw.numpy().tobytes())
-    got = tft.load_tensor(f"{base}/raw.bin", 5000, dtype=torch.float32, device="cpu")
-    assert torch.equal(got, raw)
+    got = tft.load_tensor(f"{base}/raw.bin", 5000, dtype=torch.float32, device=device)
+    assert got.device.type == torch.device(device).type and torch.equal(got.cpu(), raw)
 
 
 def test_save_file_and_sharded_to_s3_load_back_equal(s3, tmp_path):
