@@ -57,17 +57,21 @@ class safe_open:  # noqa: N801 - the name safetensors uses
     read tensors from one by one, or slices of them (reading only the bytes needed).
 
     ``framework``: ``"pt"``, ``"np"``, or ``"cupy"`` / ``"jax"`` (through DLPack, needs
-    torch). ``device``: as for :func:`tensorferry.torch.load_file`.
+    torch). ``device``: as for :func:`tensorferry.torch.load_file`. ``verify=True``: each
+    tensor that ``get_tensor`` / ``get_tensors`` loads is checked against the xxh3-64 its
+    file records (saved with ``checksums=True``); verify applies to whole-tensor loads
+    only, slices read through ``get_slice`` are not verified.
     """
 
     def __init__(self, filename: Any, framework: str = "pt", device: Any = "cpu", *,
-                 loader: Loader | None = None) -> None:
+                 loader: Loader | None = None, verify: bool = False) -> None:
         from . import _core
         self._framework = framework
         self._ad = _adapter(framework)
         self._layout = _core.Layout(filename)
         self._device = self._ad.device(device)
         self._loader = loader
+        self._verify = bool(verify)
 
     def __enter__(self) -> "safe_open":
         return self
@@ -90,7 +94,8 @@ class safe_open:  # noqa: N801 - the name safetensors uses
     def get_tensor(self, name: str) -> Any:
         """Loads one tensor."""
         from . import _core
-        t = _core.load_layout(self._ad, self._layout, [name], self._device, self._loader)[name]
+        t = _core.load_layout(self._ad, self._layout, [name], self._device, self._loader,
+                              verify=self._verify)[name]
         return _convert(self._framework, t)
 
     def get_tensors(self, names: list[str] | None = None) -> dict[str, Any]:
@@ -98,11 +103,12 @@ class safe_open:  # noqa: N801 - the name safetensors uses
         ``names`` is None) in one submission."""
         from . import _core
         out = _core.load_layout(self._ad, self._layout, names if names is not None else self.offset_keys(),
-                                self._device, self._loader)
+                                self._device, self._loader, verify=self._verify)
         return {k: _convert(self._framework, v) for k, v in out.items()}
 
     def get_slice(self, name: str) -> "_Slice":
-        """A lazy view of one tensor; index it (``[a:b]``, ``[:, c:d]``) to read a part."""
+        """A lazy view of one tensor; index it (``[a:b]``, ``[:, c:d]``) to read a part.
+        Slices are not verified, even with ``verify=True`` (checksums cover whole tensors)."""
         self._layout.entry(name)
         return _Slice(self, name)
 

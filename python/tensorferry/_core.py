@@ -90,12 +90,16 @@ class Loader:
 
     def read_into(self, files: Sequence[str], extents: Sequence[tuple], targets: Sequence[tuple],
                   stream: int | None = None, progress: bool = False,
-                  on_progress: ProgressCallback | None = None, what: str = "") -> dict:
+                  on_progress: ProgressCallback | None = None, what: str = "",
+                  verify: Sequence[str | None] | None = None) -> dict:
         """Low level: ``extents`` ``(file, offset, length, target, target_offset)`` of
-        ``files`` into ``targets`` ``(kind, device, address, length)``."""
+        ``files`` into ``targets`` ``(kind, device, address, length)``. ``verify``: per
+        extent, the name of the tensor it is all of, checked against the checksum its file
+        records (None: not checked)."""
         cb = _progress_callback(progress, on_progress, what)
         try:
-            report = self._native.read_into([os.fspath(f) for f in files], list(extents), list(targets), stream, cb)
+            report = self._native.read_into([os.fspath(f) for f in files], list(extents), list(targets), stream, cb,
+                                            None if verify is None else list(verify))
         finally:
             if isinstance(cb, _Bar):
                 cb.close()
@@ -146,12 +150,13 @@ class Saver:
         return self._native.options()
 
     def save_file(self, path: str, tensors: Sequence[tuple], metadata: dict | None = None,
-                  progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+                  progress: bool = False, on_progress: ProgressCallback | None = None,
+                  checksums: bool = False) -> dict:
         """Low level: ``tensors`` ``[(name, dtype, shape, kind, device, address, nbytes)]``
         as one safetensors file, durably."""
         cb = _progress_callback(progress, on_progress, f"saving {os.path.basename(path)}")
         try:
-            report = self._native.save_safetensors(path, list(tensors), metadata, cb)
+            report = self._native.save_safetensors(path, list(tensors), metadata, cb, bool(checksums))
         finally:
             if isinstance(cb, _Bar):
                 cb.close()
@@ -160,14 +165,15 @@ class Saver:
 
     def save_sharded(self, directory: str, tensors: Sequence[tuple], max_shard_size: int,
                      metadata: dict | None = None, index_metadata: dict | None = None,
-                     progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+                     progress: bool = False, on_progress: ProgressCallback | None = None,
+                     checksums: bool = False) -> dict:
         """Low level: ``tensors`` (as for :meth:`save_file`) as a sharded checkpoint;
         ``metadata`` in every shard's header, ``index_metadata`` in the index (or in the
         header of a checkpoint that fits one file)."""
         cb = _progress_callback(progress, on_progress, f"saving {os.path.basename(directory)}")
         try:
             report = self._native.save_sharded(directory, list(tensors), int(max_shard_size), metadata,
-                                               index_metadata, cb)
+                                               index_metadata, cb, bool(checksums))
         finally:
             if isinstance(cb, _Bar):
                 cb.close()
@@ -261,8 +267,10 @@ class Layout:
 
 
 def load_layout(ad: Adapter, layout: Layout, names: Iterable[str], device: Any, loader: Loader | None,
-                progress: bool = False, on_progress: ProgressCallback | None = None) -> dict[str, Any]:
-    """Loads the named tensors of a checkpoint in one submission."""
+                progress: bool = False, on_progress: ProgressCallback | None = None,
+                verify: bool = False) -> dict[str, Any]:
+    """Loads the named tensors of a checkpoint in one submission; with ``verify``, each
+    is checked against the xxh3-64 its file records (files saved with ``checksums=True``)."""
     loader = loader or default_loader()
     dev = ad.device(device)
     t0 = time.perf_counter()
@@ -274,7 +282,8 @@ def load_layout(ad: Adapter, layout: Layout, names: Iterable[str], device: Any, 
         targets.append(ad.target(arr))
         extents.append((file, offset, length, i, 0))
     _debug(f"allocated {len(out)} tensors on {dev} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
-    loader.read_into(layout.files, extents, targets, ad.stream(dev), progress, on_progress, os.path.basename(layout.path))
+    loader.read_into(layout.files, extents, targets, ad.stream(dev), progress, on_progress, os.path.basename(layout.path),
+                     list(out) if verify else None)
     return {n: ad.finish(a, layout.tensors[n][0], layout.tensors[n][1]) for n, a in out.items()}
 
 
@@ -466,11 +475,11 @@ def save_sources(ad: Adapter, tensors: dict[str, Any], metadata: dict | None) ->
 
 def save_tensors(ad: Adapter, tensors: dict[str, Any], path: Any, metadata: dict | None,
                  saver: Saver | None = None, progress: bool = False,
-                 on_progress: ProgressCallback | None = None) -> dict:
+                 on_progress: ProgressCallback | None = None, checksums: bool = False) -> dict:
     """Writes tensors as safetensors (reference layout), durably, with the native saver:
     host memory is written from where it lies, CUDA memory through pinned staging."""
     specs, owners = save_sources(ad, tensors, metadata)
-    report = (saver or default_saver()).save_file(_path(path), specs, metadata, progress, on_progress)
+    report = (saver or default_saver()).save_file(_path(path), specs, metadata, progress, on_progress, checksums)
     del owners  # alive until here
     return report
 
@@ -501,13 +510,14 @@ def parse_size(size: int | str) -> int:
 
 def save_sharded_tensors(ad: Adapter, tensors: dict[str, Any], directory: Any, max_shard_size: int | str,
                          metadata: dict | None, index_metadata: dict | None = None, saver: Saver | None = None,
-                         progress: bool = False, on_progress: ProgressCallback | None = None) -> dict:
+                         progress: bool = False, on_progress: ProgressCallback | None = None,
+                         checksums: bool = False) -> dict:
     """Writes tensors as a sharded checkpoint (Hugging Face layout), durably."""
     limit = parse_size(max_shard_size)
     _check_save_args(tensors, index_metadata)
     specs, owners = save_sources(ad, tensors, metadata)
     report = (saver or default_saver()).save_sharded(_path(directory), specs, limit, metadata, index_metadata,
-                                                     progress, on_progress)
+                                                     progress, on_progress, checksums)
     del owners
     return report
 

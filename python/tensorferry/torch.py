@@ -161,18 +161,23 @@ def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
 
 def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = None, progress: bool = False,
               on_progress: ProgressCallback | None = None, process_group: Any = None,
-              shard: Any = None) -> dict[str, torch.Tensor]:
+              shard: Any = None, verify: bool = False) -> dict[str, torch.Tensor]:
     """Loads a safetensors file, a sharded checkpoint's index, or a directory holding one,
     in one submission. Same keys, in the same order (the order of the data in the file),
     dtypes, shapes and values as ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
     int or a ``torch.device``. ``process_group`` / ``shard``: see
-    :func:`tensorferry.distributed.load_file`."""
+    :func:`tensorferry.distributed.load_file`. ``verify``: check every tensor against the
+    xxh3-64 its file records (saved with ``checksums=True``) as its bytes pass through
+    staging; a mismatch, or a file without checksums, raises
+    :class:`tensorferry.errors.InvalidFileError` naming the file (and tensor)."""
     if process_group is not None or shard is not None:
+        if verify:
+            raise UnsupportedError("verify=True is not supported with process_group / shard loads")
         from . import distributed
         return distributed.load_file(filename, device, process_group=process_group, shard=shard, loader=loader,
                                      progress=progress, on_progress=on_progress)
     layout = _core.Layout(filename)
-    return _core.load_layout(_AD, layout, layout.offset_keys(), device, loader, progress, on_progress)
+    return _core.load_layout(_AD, layout, layout.offset_keys(), device, loader, progress, on_progress, verify)
 
 
 def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:
@@ -182,19 +187,23 @@ def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:
 
 def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None, *,
               saver: Saver | None = None, progress: bool = False,
-              on_progress: ProgressCallback | None = None) -> None:
+              on_progress: ProgressCallback | None = None, checksums: bool = False) -> None:
     """Saves tensors (on any device) as a safetensors file, byte for byte what
     ``safetensors.torch.save_file`` writes. CUDA tensors are saved from the device
     (through pinned staging, no ``.cpu()`` copy of the whole state dict); host memory use
     is bounded by the saver's staging. The file appears under ``filename`` only once
-    whole and synced; on error (a full disk, Ctrl-C) the previous file stays intact."""
+    whole and synced; on error (a full disk, Ctrl-C) the previous file stays intact.
+    ``checksums=True`` also records an xxh3-64 of each tensor's bytes in the header's
+    metadata (key ``"tensorferry.xxh3_64"``), for ``load_file(..., verify=True)``; the
+    file stays readable by safetensors."""
     _check_shared(tensors)
-    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress)
+    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress, checksums)
 
 
 def save_sharded(state_dict: dict[str, torch.Tensor], directory: Any, max_shard_size: int | str = "5GB",
                  metadata: dict[str, str] | None = None, *, saver: Saver | None = None,
-                 progress: bool = False, on_progress: ProgressCallback | None = None) -> None:
+                 progress: bool = False, on_progress: ProgressCallback | None = None,
+                 checksums: bool = False) -> None:
     """Saves a state dict as a sharded checkpoint in ``directory``, as Hugging Face's
     ``save_torch_state_dict`` does: shards ``model-00001-of-0000N.safetensors`` filled
     greedily in the dict's order up to ``max_shard_size`` bytes of tensor data (an int, or
@@ -207,7 +216,7 @@ def save_sharded(state_dict: dict[str, torch.Tensor], directory: Any, max_shard_
     back with ``load_file(directory)``."""
     _check_shared(state_dict)
     _core.save_sharded_tensors(_AD, state_dict, directory, max_shard_size, {"format": "pt"}, metadata,
-                               saver, progress, on_progress)
+                               saver, progress, on_progress, checksums)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -45,6 +45,7 @@ pub fn run(args: &Args) -> Result<()> {
         SaveControl {
             cancel: None,
             progress: Some(&progress),
+            ..SaveControl::default()
         },
     )?;
     bar.finish();

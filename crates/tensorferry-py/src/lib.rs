@@ -280,8 +280,11 @@ impl NativeLoader {
     /// on a worker thread with the GIL released; this thread wakes every 50 ms to deliver
     /// `progress(done, total)` and to notice Ctrl-C, which cancels the load (the worker is
     /// always joined before returning, so no write outlives the call). `stream` is the
-    /// caller's CUDA stream: copies start after work already queued on it.
-    #[pyo3(signature = (files, extents, targets, stream=None, progress=None))]
+    /// caller's CUDA stream: copies start after work already queued on it. `verify`, one
+    /// entry per extent, names the tensor that extent is all of, to check against the
+    /// checksum its file records (`None`: not checked).
+    #[pyo3(signature = (files, extents, targets, stream=None, progress=None, verify=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
     fn read_into(
         &self,
         py: Python<'_>,
@@ -290,6 +293,7 @@ impl NativeLoader {
         targets: Vec<(String, usize, u64, u64)>,
         stream: Option<u64>,
         progress: Option<Py<PyAny>>,
+        verify: Option<Vec<Option<String>>>,
     ) -> PyResult<Py<PyDict>> {
         let targets: Vec<Target> = targets
             .into_iter()
@@ -322,16 +326,21 @@ impl NativeLoader {
             progress,
             total,
             move |cancel, counter| {
+                let checks = match &verify {
+                    Some(names) => loader.checks_for(&files, &extents, names)?,
+                    None => Vec::new(),
+                };
                 // SAFETY: the Python caller keeps the target tensors alive and unused until
                 // this call returns, and this call never returns before the worker ends.
                 unsafe {
-                    loader.read_into_targets_with(
+                    loader.read_into_targets_checked(
                         &files,
                         &extents,
                         &targets,
                         stream,
                         Some(cancel),
                         Some(counter),
+                        &checks,
                     )
                 }
             },
@@ -585,7 +594,7 @@ impl NativeSaver {
     /// Saves `tensors` `[(name, dtype, shape, kind, device, address, nbytes)]` as one
     /// safetensors file, durably. The caller keeps the memory alive and unchanged (CUDA
     /// work on it complete) until this returns.
-    #[pyo3(signature = (path, tensors, metadata=None, progress=None))]
+    #[pyo3(signature = (path, tensors, metadata=None, progress=None, checksums=false))]
     fn save_safetensors(
         &self,
         py: Python<'_>,
@@ -593,6 +602,7 @@ impl NativeSaver {
         tensors: Vec<TensorSpec>,
         metadata: Option<BTreeMap<String, String>>,
         progress: Option<Py<PyAny>>,
+        checksums: bool,
     ) -> PyResult<Py<PyDict>> {
         let raw = raw_tensors(tensors)?;
         let saver = Arc::clone(&self.inner);
@@ -612,6 +622,7 @@ impl NativeSaver {
                     SaveControl {
                         cancel: Some(cancel),
                         progress: Some(counter),
+                        checksums,
                     },
                 )
             },
@@ -622,7 +633,7 @@ impl NativeSaver {
     /// Saves `tensors` (as for `save_safetensors`) as a sharded checkpoint in `directory`:
     /// `metadata` in the shards' headers, `index_metadata` in the index (or, for a single
     /// file, in its header too).
-    #[pyo3(signature = (directory, tensors, max_shard_size, metadata=None, index_metadata=None, progress=None))]
+    #[pyo3(signature = (directory, tensors, max_shard_size, metadata=None, index_metadata=None, progress=None, checksums=false))]
     #[allow(clippy::too_many_arguments)] // the Python signature
     fn save_sharded(
         &self,
@@ -633,6 +644,7 @@ impl NativeSaver {
         metadata: Option<BTreeMap<String, String>>,
         index_metadata: Option<BTreeMap<String, String>>,
         progress: Option<Py<PyAny>>,
+        checksums: bool,
     ) -> PyResult<Py<PyDict>> {
         let raw = raw_tensors(tensors)?;
         let saver = Arc::clone(&self.inner);
@@ -653,6 +665,7 @@ impl NativeSaver {
                     SaveControl {
                         cancel: Some(cancel),
                         progress: Some(counter),
+                        checksums,
                     },
                 )
             },
@@ -681,6 +694,7 @@ impl NativeSaver {
                 SaveControl {
                     cancel: Some(cancel),
                     progress: Some(counter),
+                    ..SaveControl::default()
                 },
             )
         })?;

@@ -28,6 +28,7 @@
 compile_error!("tensorferry needs a 64-bit target (file offsets are used as usize)");
 
 pub mod checkpoint;
+pub mod checksum;
 pub mod copy;
 pub mod device;
 mod error;

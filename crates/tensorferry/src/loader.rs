@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, TensorEntry};
+use crate::checksum::{self, Check, VerifySink};
 use crate::device::cuda::{self, CudaSink, DeviceBuffer};
 use crate::device::host::AlignedBuf;
 use crate::device::staging::StagingPool;
@@ -43,6 +44,14 @@ pub struct LoadOptions {
     pub object_concurrency: usize,
     /// Object store client configuration (credentials, endpoint, retries, timeout).
     pub object: ObjectOptions,
+    /// Checks each tensor that [`Loader::load_checkpoint`], [`Loader::load_tensors`] and
+    /// [`Loader::load_checkpoint_cuda`] load against the xxh3-64 its file records (see
+    /// [`crate::checksum`]), as its bytes pass through staging: a mismatch is an
+    /// [`Error::InvalidFile`] naming the file and tensor, and so is a file saved without
+    /// checksums. Such loads then always go through staging (no direct reads into host
+    /// memory, no GPUDirect Storage). Whole tensors only: byte ranges and slices are not
+    /// verified.
+    pub verify: bool,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -56,6 +65,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("object_chunk", &self.object_chunk)
             .field("object_concurrency", &self.object_concurrency)
             .field("object", &self.object)
+            .field("verify", &self.verify)
             .finish_non_exhaustive()
     }
 }
@@ -92,6 +102,7 @@ impl Default for LoadOptions {
                 .map_or(settings::DEFAULT_OBJECT_CONCURRENCY, |n| n as usize)
                 .max(1),
             object: default_object_options(),
+            verify: false,
         }
     }
 }
@@ -191,8 +202,10 @@ impl Loader {
     ) -> Result<(Vec<HostTensor>, Report)> {
         let mut out = Vec::with_capacity(names.len());
         let mut extents = Vec::with_capacity(names.len());
+        let mut entries = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let t = ck.tensor(name)?;
+            entries.push(t);
             out.push(HostTensor {
                 name: t.name().to_string(),
                 dtype: t.dtype(),
@@ -207,11 +220,23 @@ impl Loader {
                 dest_offset: 0,
             });
         }
-        let report = self.read_into_host(
-            &ck.files,
-            &extents,
-            &mut out.iter_mut().map(|t| &mut *t.data).collect::<Vec<_>>(),
-        )?;
+        let checks = if self.opts.verify {
+            checkpoint_checks(ck, &entries)?
+        } else {
+            Vec::new()
+        };
+        let mut dests = out.iter_mut().map(|t| &mut *t.data).collect::<Vec<_>>();
+        let targets: Vec<Target> = dests
+            .iter_mut()
+            .map(|d| Target::Host {
+                ptr: d.as_mut_ptr(),
+                len: d.len() as u64,
+            })
+            .collect();
+        let sink = HostSink::new(&targets)?;
+        // SAFETY: the targets are buffers we just allocated and own until return.
+        let report =
+            unsafe { self.run(&ck.files, &extents, &targets, &sink, None, None, &checks) }?;
         Ok((out, report))
     }
 
@@ -247,8 +272,15 @@ impl Loader {
                 dest_offset: 0,
             });
         }
+        let checks = if self.opts.verify {
+            checkpoint_checks(ck, &ck.tensors.iter().collect::<Vec<_>>())?
+        } else {
+            Vec::new()
+        };
         // SAFETY: the targets are buffers we just allocated and own until return.
-        let report = unsafe { self.read_into_targets(&ck.files, &extents, &targets, None) }?;
+        let report = unsafe {
+            self.read_into_targets_checked(&ck.files, &extents, &targets, None, None, None, &checks)
+        }?;
         Ok((out, report))
     }
 
@@ -286,6 +318,30 @@ impl Loader {
         cancel: Option<&AtomicBool>,
         progress: Option<&ProgressFn>,
     ) -> Result<Report> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            self.read_into_targets_checked(paths, extents, targets, after, cancel, progress, &[])
+        }
+    }
+
+    /// [`Loader::read_into_targets_with`] that also verifies `checks` (whole tensors, see
+    /// [`Loader::checks_for`]) as their bytes pass through staging; the load then always
+    /// goes through staging. A mismatch is an [`Error::InvalidFile`] naming the file and
+    /// tensor.
+    ///
+    /// # Safety
+    /// As [`Loader::read_into_targets`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn read_into_targets_checked(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        targets: &[Target],
+        after: Option<u64>,
+        cancel: Option<&AtomicBool>,
+        progress: Option<&ProgressFn>,
+        checks: &[Check],
+    ) -> Result<Report> {
         let device = match targets.first() {
             Some(Target::Cuda { device, .. }) => Some(*device),
             _ => None,
@@ -294,7 +350,7 @@ impl Loader {
             None => {
                 let sink = HostSink::new(targets)?;
                 // SAFETY: forwarded from this function's contract.
-                unsafe { self.run(paths, extents, targets, &sink, cancel, progress) }
+                unsafe { self.run(paths, extents, targets, &sink, cancel, progress, checks) }
             }
             Some(ordinal) => {
                 cuda::register_pool(&*self.staging()?)?;
@@ -305,9 +361,72 @@ impl Loader {
                     after.map(|s| s as cudarc::driver::sys::CUstream),
                 )?;
                 // SAFETY: forwarded from this function's contract.
-                unsafe { self.run(paths, extents, targets, &sink, cancel, progress) }
+                unsafe { self.run(paths, extents, targets, &sink, cancel, progress, checks) }
             }
         }
+    }
+
+    /// The checks that verify the extents given a tensor name in `names` (one entry per
+    /// extent; `None` is not checked): each such extent must be all of that tensor of its
+    /// file, whose header must record checksums.
+    pub fn checks_for(
+        &self,
+        paths: &[PathBuf],
+        extents: &[Extent],
+        names: &[Option<String>],
+    ) -> Result<Vec<Check>> {
+        if names.len() != extents.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} names to verify for {} extents",
+                names.len(),
+                extents.len()
+            )));
+        }
+        let mut opened: std::collections::HashMap<
+            usize,
+            (Checkpoint, std::collections::BTreeMap<String, u64>),
+        > = std::collections::HashMap::new();
+        let mut checks = Vec::new();
+        for (e, name) in extents.iter().zip(names) {
+            let Some(name) = name else { continue };
+            let path = paths.get(e.file).ok_or_else(|| {
+                Error::InvalidArgument(format!("extent {e:?} names a missing file"))
+            })?;
+            if let std::collections::hash_map::Entry::Vacant(slot) = opened.entry(e.file) {
+                let ck = Checkpoint::open_with(path, &self.opts.object)?;
+                let sums =
+                    checksum::parse(path, ck.headers.first().and_then(|h| h.metadata.as_ref()))?;
+                slot.insert((ck, sums));
+            }
+            let (ck, sums) = &opened[&e.file];
+            let t = ck.tensor(name)?;
+            if t.file_offset != e.offset || t.len() != e.len {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: verify applies to whole-tensor loads, but {} bytes at offset {} are \
+                     not all of tensor {name:?}",
+                    path.display(),
+                    e.len,
+                    e.offset
+                )));
+            }
+            let digest = *sums.get(name).ok_or_else(|| {
+                Error::invalid(
+                    path,
+                    crate::FormatError::BadChecksums {
+                        reason: format!("no checksum recorded for tensor {name:?}"),
+                    },
+                )
+            })?;
+            checks.push(Check {
+                path: path.clone(),
+                name: name.clone(),
+                dest: e.dest,
+                dest_offset: e.dest_offset,
+                len: e.len,
+                digest,
+            });
+        }
+        Ok(checks)
     }
 
     /// Loads a raw flat file (or part of it) into host memory.
@@ -390,9 +509,10 @@ impl Loader {
         sink: &dyn Sink,
     ) -> Result<Report> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.run(paths, extents, targets, sink, None, None) }
+        unsafe { self.run(paths, extents, targets, sink, None, None, &[]) }
     }
 
+    #[allow(clippy::too_many_arguments)]
     unsafe fn run(
         &self,
         paths: &[PathBuf],
@@ -401,8 +521,14 @@ impl Loader {
         sink: &dyn Sink,
         cancel: Option<&AtomicBool>,
         progress: Option<&ProgressFn>,
+        checks: &[Check],
     ) -> Result<Report> {
         let pool = self.staging()?;
+        let verify = if checks.is_empty() {
+            None
+        } else {
+            Some(VerifySink::new(sink, checks)?)
+        };
         let run = RunOptions {
             engine: self.opts.engine,
             threads: self.opts.threads,
@@ -416,9 +542,18 @@ impl Loader {
                 retries: self.opts.object.retries,
             },
             object_options: &self.opts.object,
+            staged: verify.is_some(),
+        };
+        let sink: &dyn Sink = match &verify {
+            Some(v) => v,
+            None => sink,
         };
         // SAFETY: forwarded from this function's contract.
-        unsafe { pipeline::run(paths, extents, targets, sink, &pool, &run) }
+        let report = unsafe { pipeline::run(paths, extents, targets, sink, &pool, &run) }?;
+        if let Some(v) = &verify {
+            v.verify()?;
+        }
+        Ok(report)
     }
 
     /// Checks that `device` can be loaded to here (a CUDA device needs a driver).
@@ -428,4 +563,34 @@ impl Loader {
             Device::Cuda(n) => cuda::Context::get(n).map(|_| ()),
         }
     }
+}
+
+/// The checks of whole tensors `entries` of `ck` loaded to destinations `0..`, each at
+/// offset 0; fails when a file records no checksums (or none for a tensor).
+fn checkpoint_checks(ck: &Checkpoint, entries: &[&TensorEntry]) -> Result<Vec<Check>> {
+    let mut sums = std::collections::HashMap::new();
+    let mut checks = Vec::with_capacity(entries.len());
+    for (i, t) in entries.iter().enumerate() {
+        let path = &ck.files[t.file];
+        if let std::collections::hash_map::Entry::Vacant(slot) = sums.entry(t.file) {
+            slot.insert(checksum::parse(path, ck.headers[t.file].metadata.as_ref())?);
+        }
+        let digest = *sums[&t.file].get(t.name()).ok_or_else(|| {
+            Error::invalid(
+                path,
+                crate::FormatError::BadChecksums {
+                    reason: format!("no checksum recorded for tensor {:?}", t.name()),
+                },
+            )
+        })?;
+        checks.push(Check {
+            path: path.clone(),
+            name: t.name().to_string(),
+            dest: i,
+            dest_offset: 0,
+            len: t.len(),
+            digest,
+        });
+    }
+    Ok(checks)
 }

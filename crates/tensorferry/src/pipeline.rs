@@ -132,6 +132,9 @@ pub struct RunOptions<'a> {
     pub object: ObjectRun,
     /// Object store client configuration.
     pub object_options: &'a ObjectOptions,
+    /// Every byte through staging and the sink (for `verify`): no read straight into
+    /// host memory, no GPUDirect Storage.
+    pub staged: bool,
 }
 
 /// What a load did.
@@ -412,7 +415,16 @@ unsafe fn run_local(
     for e in extents.iter().filter(|e| e.len > 0) {
         wanted[e.file] = true;
     }
-    let to_cuda = !targets.is_empty() && targets.iter().all(|t| matches!(t, Target::Cuda { .. }));
+    if opts.staged && opts.engine == EngineChoice::Gds {
+        return Err(Error::Unsupported(
+            "verify hashes the bytes in staging, which engine gds bypasses (use auto, pread, \
+             direct or uring)"
+                .into(),
+        ));
+    }
+    let to_cuda = !opts.staged
+        && !targets.is_empty()
+        && targets.iter().all(|t| matches!(t, Target::Cuda { .. }));
     // Open each file once, buffered; choose its engine; reopen with O_DIRECT if needed.
     let mut files = Vec::with_capacity(paths.len());
     let mut engines = Vec::with_capacity(paths.len());
@@ -456,7 +468,7 @@ unsafe fn run_local(
         start.elapsed().as_secs_f64() * 1e3
     );
     let deliver = |read: &Read, slot: Slot| sink.deliver(read, slot);
-    let all_host = targets.iter().all(|t| matches!(t, Target::Host { .. }));
+    let all_host = !opts.staged && targets.iter().all(|t| matches!(t, Target::Host { .. }));
     for engine in [
         Engine::Gds,
         Engine::Uring,

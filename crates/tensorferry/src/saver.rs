@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::checksum::{self, RangeHasher};
 use crate::device::cuda::{self, Context, DeviceBuffer, Event, Stream};
 use crate::device::host::AlignedBuf;
 use crate::device::staging::StagingPool;
@@ -119,6 +120,9 @@ pub struct SaveOptions {
     pub streams: usize,
     /// Object store configuration, for destinations that are URLs.
     pub object: ObjectOptions,
+    /// Records an xxh3-64 of each tensor's bytes in the header (see [`crate::checksum`])
+    /// on every save of this saver (a call can also ask with [`SaveControl::checksums`]).
+    pub checksums: bool,
 }
 
 impl Default for SaveOptions {
@@ -137,6 +141,7 @@ impl Default for SaveOptions {
                 .unwrap_or_default(),
             streams: settings::STREAMS_DEFAULT,
             object: crate::loader::default_object_options(),
+            checksums: false,
         }
     }
 }
@@ -286,6 +291,14 @@ pub struct SaveControl<'a> {
     pub cancel: Option<&'a AtomicBool>,
     /// Called from writer threads with `(bytes written, bytes total)`.
     pub progress: Option<&'a ProgressFn>,
+    /// Records an xxh3-64 of each tensor's data bytes in the header's `__metadata__`
+    /// under [`checksum::METADATA_KEY`] (safetensors files and shards; see
+    /// [`crate::checksum`]), for loads with `verify`. The bytes are hashed as they pass
+    /// through the writers and the header, sized up front with placeholder digits of the
+    /// same width, is rewritten in place before the file is synced and renamed. For object
+    /// store URLs the header goes out first, so host tensors are hashed in a first pass
+    /// and CUDA tensors are refused ([`Error::Unsupported`]).
+    pub checksums: bool,
 }
 
 /// Saves tensors. Holds options, a staging pool allocated on first use, and CUDA streams;
@@ -322,6 +335,56 @@ struct Prepared {
     _header: Vec<u8>,
     segments: Vec<Segment>,
     total: u64,
+    /// Checksums hashed while writing, for the header rewritten after the data.
+    sums: Option<StreamedSums>,
+}
+
+/// How a save records checksums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SumMode {
+    /// Not at all: the file is what the reference implementation writes.
+    Off,
+    /// Hashed as the bytes are written; the header (placeholder digits) rewritten after.
+    Streamed,
+    /// Hashed before writing (uploads, whose header is sent first); host memory only.
+    Upfront,
+}
+
+/// What rewriting the header with the streamed digests needs.
+struct StreamedSums {
+    described: Vec<(String, Dtype, Vec<u64>)>,
+    metadata: BTreeMap<String, String>,
+    /// Tensor names in file order, one per range of `hasher`.
+    names: Vec<String>,
+    hasher: RangeHasher,
+    header_len: usize,
+}
+
+impl StreamedSums {
+    /// The final header: the placeholder digits replaced by the digests (same length).
+    fn header(&self, path: &Path) -> Result<Vec<u8>> {
+        let digests = self.hasher.digests();
+        let mut pairs = Vec::with_capacity(self.names.len());
+        for (name, d) in self.names.iter().zip(digests) {
+            let d = d.ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{}: tensor {name:?} was not wholly written, so it has no checksum",
+                    path.display()
+                ))
+            })?;
+            pairs.push((name.as_str(), d));
+        }
+        let mut meta = self.metadata.clone();
+        meta.insert(checksum::METADATA_KEY.into(), checksum::encode(pairs));
+        let (header, _) = safetensors::serialize_header(&self.described, Some(&meta))
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        assert_eq!(
+            header.len(),
+            self.header_len,
+            "checksum header changed size"
+        );
+        Ok(header)
+    }
 }
 
 impl Saver {
@@ -374,7 +437,8 @@ impl Saver {
         let start = Instant::now();
         let path = path.as_ref();
         let all: Vec<&SaveTensor> = tensors.iter().collect();
-        let prepared = prepare(&all, metadata)?;
+        let mode = self.sum_mode(control, is_url(path));
+        let prepared = prepare(&all, metadata, mode)?;
         let ctl = Control::new(prepared.total, control.cancel, control.progress);
         let file = self.commit(path, &prepared, self.opts.direct, &ctl)?;
         Ok(SaveReport {
@@ -472,16 +536,18 @@ impl Saver {
         } else {
             metadata
         };
+        let loc = Location::of(dir);
+        let mode = self.sum_mode(control, matches!(loc, Location::Url(_)));
         let prepared: Vec<Prepared> = shards
             .iter()
             .map(|s| {
                 prepare(
                     &s.iter().map(|&i| &tensors[i]).collect::<Vec<_>>(),
                     metadata,
+                    mode,
                 )
             })
             .collect::<Result<_>>()?;
-        let loc = Location::of(dir);
         let index_path = loc.join(index::INDEX_FILE_NAME);
         if let Location::Url(_) = loc {
             ObjectFile::at(&index_path.to_string_lossy(), &self.opts.object)?.delete()?;
@@ -522,6 +588,7 @@ impl Saver {
                 }],
                 total: text.len() as u64,
                 _header: Vec::new(),
+                sums: None,
             };
             let ctl = Control::new(p.total, control.cancel, None);
             files.push(self.commit(&index_path, &p, DirectPolicy::Off, &ctl)?);
@@ -582,7 +649,7 @@ impl Saver {
             src: source.src(),
         }];
         let ctl = Control::new(len, control.cancel, control.progress);
-        self.run(Dest { file: &file, path }, &segments, false, &ctl)?;
+        self.run(Dest { file: &file, path }, &segments, false, None, &ctl)?;
         ctl.finish()?;
         Ok(SaveReport {
             bytes: len,
@@ -635,8 +702,26 @@ impl Saver {
         }
         let used_direct = direct.is_some();
         let file = direct.as_ref().unwrap_or(&tmp.file);
-        self.run(Dest { file, path }, &prepared.segments, used_direct, ctl)?;
+        self.run(
+            Dest { file, path },
+            &prepared.segments,
+            used_direct,
+            prepared.sums.as_ref().map(|s| &s.hasher),
+            ctl,
+        )?;
         ctl.finish()?;
+        if let Some(sums) = &prepared.sums {
+            // Same length as the placeholder header: no data offset moves.
+            let header = sums.header(path)?;
+            write::write_all_at(
+                Dest {
+                    file: &tmp.file,
+                    path,
+                },
+                &header,
+                0,
+            )?;
+        }
         if used_direct {
             // The last write was padded to 4 KiB.
             tmp.file
@@ -694,8 +779,24 @@ impl Saver {
         })
     }
 
-    /// Plans and runs the writes of `segments` into `dest`.
-    fn run(&self, dest: Dest<'_>, segments: &[Segment], direct: bool, ctl: &Control) -> Result<()> {
+    /// How a call with `control` records checksums, to a URL or not.
+    fn sum_mode(&self, control: SaveControl<'_>, url: bool) -> SumMode {
+        match (self.opts.checksums || control.checksums, url) {
+            (false, _) => SumMode::Off,
+            (true, false) => SumMode::Streamed,
+            (true, true) => SumMode::Upfront,
+        }
+    }
+
+    /// Plans and runs the writes of `segments` into `dest`, feeding `hasher`.
+    fn run(
+        &self,
+        dest: Dest<'_>,
+        segments: &[Segment],
+        direct: bool,
+        hasher: Option<&RangeHasher>,
+        ctl: &Control,
+    ) -> Result<()> {
         let pool = self.staging()?;
         let writes = write::plan(
             segments,
@@ -715,6 +816,7 @@ impl Saver {
                 &pool,
                 self.opts.threads,
                 copier.as_ref().map(|c| c as &dyn DeviceCopier),
+                hasher,
                 ctl,
             );
         }
@@ -800,6 +902,7 @@ pub fn plan_shards(lens: &[u64], max_shard_size: u64) -> Vec<Vec<usize>> {
 fn prepare(
     tensors: &[&SaveTensor<'_>],
     metadata: Option<&BTreeMap<String, String>>,
+    mode: SumMode,
 ) -> Result<Prepared> {
     let mut seen = HashSet::with_capacity(tensors.len());
     let mut described = Vec::with_capacity(tensors.len());
@@ -838,8 +941,38 @@ fn prepare(
         }
         described.push((t.name.clone(), t.dtype, t.shape.clone()));
     }
-    let (header, infos) = safetensors::serialize_header(&described, metadata)
-        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let with_sums = match mode {
+        SumMode::Off => None,
+        SumMode::Streamed | SumMode::Upfront => {
+            let mut m = metadata.cloned().unwrap_or_default();
+            if m.contains_key(checksum::METADATA_KEY) {
+                return Err(Error::InvalidArgument(format!(
+                    "metadata key {:?} is reserved for checksums=True",
+                    checksum::METADATA_KEY
+                )));
+            }
+            let digests = tensors
+                .iter()
+                .map(|t| match (mode, t.source) {
+                    (SumMode::Upfront, SaveSource::Host(b)) => {
+                        Ok((t.name.as_str(), checksum::xxh3_64(b)))
+                    }
+                    (SumMode::Upfront, SaveSource::Cuda(_)) => Err(Error::Unsupported(format!(
+                        "checksums of CUDA tensors saved to an object store: the header is sent \
+                         before the data (tensor {:?}); save to a local file, or from host memory",
+                        t.name
+                    ))),
+                    // Placeholder digits, as wide as the real ones.
+                    _ => Ok((t.name.as_str(), 0)),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            m.insert(checksum::METADATA_KEY.into(), checksum::encode(digests));
+            Some(m)
+        }
+    };
+    let (header, infos) =
+        safetensors::serialize_header(&described, with_sums.as_ref().or(metadata))
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let by_name: HashMap<&str, &SaveTensor> =
         tensors.iter().map(|t| (t.name.as_str(), *t)).collect();
     let start = header.len() as u64;
@@ -858,10 +991,26 @@ fn prepare(
         });
     }
     let total = start + infos.last().map_or(0, |i| i.data_offsets.1);
+    let sums = match (mode, with_sums) {
+        (SumMode::Streamed, Some(metadata)) => Some(StreamedSums {
+            hasher: RangeHasher::new(
+                infos
+                    .iter()
+                    .map(|i| (start + i.data_offsets.0, i.len()))
+                    .collect(),
+            ),
+            names: infos.iter().map(|i| i.name.clone()).collect(),
+            described,
+            metadata,
+            header_len: header.len(),
+        }),
+        _ => None,
+    };
     Ok(Prepared {
         _header: header,
         segments,
         total,
+        sums,
     })
 }
 

@@ -511,6 +511,7 @@ fn s3_save_failing_part_way_leaves_nothing_and_names_the_url() {
             SaveControl {
                 cancel: Some(&CANCEL),
                 progress: Some(&progress),
+                ..SaveControl::default()
             },
         )
         .unwrap_err();

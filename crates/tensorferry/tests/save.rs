@@ -337,6 +337,7 @@ fn stale_temporaries_are_removed_and_cancel_keeps_the_previous_file() {
             SaveControl {
                 cancel: Some(&cancel),
                 progress: None,
+                ..SaveControl::default()
             },
         )
         .unwrap_err();
@@ -368,6 +369,7 @@ fn progress_reaches_the_file_size() {
             SaveControl {
                 cancel: None,
                 progress: Some(&progress),
+                ..SaveControl::default()
             },
         )
         .unwrap();

@@ -155,6 +155,25 @@ pub enum FormatError {
         /// The name found.
         shard: String,
     },
+    /// `verify` was asked of a file saved without checksums.
+    #[error("the file has no tensorferry checksums (no \"tensorferry.xxh3_64\" metadata; save it with checksums=True), so it cannot be verified")]
+    NoChecksums,
+    /// The recorded checksums are malformed, or lack a tensor.
+    #[error("invalid tensorferry checksums: {reason}")]
+    BadChecksums {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor's bytes do not match the checksum recorded for it.
+    #[error("checksum mismatch in tensor {name:?}: recorded xxh3-64 {expected}, data hashes to {actual} (the file is corrupt or was modified)")]
+    ChecksumMismatch {
+        /// The tensor.
+        name: String,
+        /// The recorded digest (hex).
+        expected: String,
+        /// The digest of the bytes read (hex).
+        actual: String,
+    },
     /// A raw-file request that does not fit the file.
     #[error("raw read of {len} bytes at offset {offset} goes past the end of the file ({file_len} bytes)")]
     RawPastEnd {

@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use bytes::Bytes;
 
 use super::{Control, DIRECT_ALIGN};
+use crate::checksum::RangeHasher;
 use crate::device::staging::{Slot, StagingPool};
 use crate::error::{Error, Result};
 use crate::settings;
@@ -292,7 +293,8 @@ struct Job {
 /// bounded), queues the device copies of it and hands it to the writers, which copy the
 /// host pieces, wait for the device copies and write. Stops at the first error (recorded
 /// in `ctl`); every slot is back in the pool (or, after a device error, leaked) when this
-/// returns.
+/// returns. With a `hasher`, each write's bytes (from host memory, or from the slot once
+/// gathered) are fed to it at their file offsets, in whatever order the writers finish.
 ///
 /// # Safety
 /// Every source of `writes` must be valid for reads of its length, and unchanged, until
@@ -303,6 +305,7 @@ pub unsafe fn run(
     pool: &StagingPool,
     threads: usize,
     copier: Option<&dyn DeviceCopier>,
+    hasher: Option<&RangeHasher>,
     ctl: &Control,
 ) {
     if writes.is_empty() {
@@ -315,7 +318,7 @@ pub unsafe fn run(
             return;
         };
         // SAFETY: forwarded from this function's contract.
-        if let Err(e) = unsafe { write_one(dest, &writes[job.write], job, ctl) } {
+        if let Err(e) = unsafe { write_one(dest, &writes[job.write], job, hasher, ctl) } {
             ctl.fail(e);
         }
     };
@@ -388,7 +391,13 @@ fn gather(
 ///
 /// # Safety
 /// As [`run`].
-unsafe fn write_one(dest: Dest<'_>, w: &Write, job: Job, ctl: &Control) -> Result<()> {
+unsafe fn write_one(
+    dest: Dest<'_>,
+    w: &Write,
+    job: Job,
+    hasher: Option<&RangeHasher>,
+    ctl: &Control,
+) -> Result<()> {
     let Job {
         mut slot, pending, ..
     } = job;
@@ -407,6 +416,9 @@ unsafe fn write_one(dest: Dest<'_>, w: &Write, job: Job, ctl: &Control) -> Resul
             // SAFETY: the source is valid for `len` bytes (this function's contract).
             let data = unsafe { std::slice::from_raw_parts(*ptr, *len) };
             write_all_at(dest, data, *offset)?;
+            if let Some(h) = hasher {
+                h.feed(*offset, data);
+            }
         }
         Write::Staged {
             offset,
@@ -419,6 +431,9 @@ unsafe fn write_one(dest: Dest<'_>, w: &Write, job: Job, ctl: &Control) -> Resul
             // SAFETY: forwarded from this function's contract.
             unsafe { fill_host_pieces(buf, pieces) };
             write_all_at(dest, buf, *offset)?;
+            if let Some(h) = hasher {
+                h.feed(*offset, &buf[..*len]);
+            }
             debug_assert!(*len <= *padded);
         }
     }
