@@ -43,6 +43,16 @@ impl TensorEntry {
     pub fn is_empty(&self) -> bool {
         self.info.is_empty()
     }
+    /// The extent that reads this whole tensor into the start of destination `dest`.
+    pub fn extent(&self, dest: usize) -> crate::plan::Extent {
+        crate::plan::Extent {
+            file: self.file,
+            offset: self.file_offset,
+            len: self.len(),
+            dest,
+            dest_offset: 0,
+        }
+    }
 }
 
 /// A checkpoint's layout: its files, their headers, and every tensor sorted by name.

@@ -212,13 +212,7 @@ impl Loader {
                 shape: t.shape().to_vec(),
                 data: AlignedBuf::zeroed(t.len() as usize)?,
             });
-            extents.push(Extent {
-                file: t.file,
-                offset: t.file_offset,
-                len: t.len(),
-                dest: i,
-                dest_offset: 0,
-            });
+            extents.push(t.extent(i));
         }
         let checks = if self.opts.verify {
             checkpoint_checks(ck, &entries)?
@@ -264,13 +258,7 @@ impl Loader {
                 shape: t.shape().to_vec(),
                 data,
             });
-            extents.push(Extent {
-                file: t.file,
-                offset: t.file_offset,
-                len: t.len(),
-                dest: i,
-                dest_offset: 0,
-            });
+            extents.push(t.extent(i));
         }
         let checks = if self.opts.verify {
             checkpoint_checks(ck, &ck.tensors.iter().collect::<Vec<_>>())?

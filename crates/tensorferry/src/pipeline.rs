@@ -151,11 +151,16 @@ pub struct Report {
 impl Report {
     /// Throughput in GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        gbps(self.bytes, self.seconds)
+    }
+}
+
+/// `bytes` over `seconds` in GB/s (10^9 bytes per second); 0 for no time.
+pub fn gbps(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / 1e9
+    } else {
+        0.0
     }
 }
 

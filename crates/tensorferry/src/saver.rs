@@ -264,11 +264,7 @@ pub struct SaveReport {
 impl SaveReport {
     /// Throughput in GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        crate::pipeline::gbps(self.bytes, self.seconds)
     }
 }
 
