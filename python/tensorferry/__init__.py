@@ -60,15 +60,19 @@ class safe_open:  # noqa: N801 - the name safetensors uses
     torch). ``device``: as for :func:`tensorferry.torch.load_file`. ``verify=True``: each
     tensor that ``get_tensor`` / ``get_tensors`` loads is checked against the xxh3-64 its
     file records (saved with ``checksums=True``); verify applies to whole-tensor loads
-    only, slices read through ``get_slice`` are not verified.
+    only, slices read through ``get_slice`` are not verified. ``storage_options``: object
+    store options (``object_store`` config keys) for this checkpoint, over the environment
+    and over the options of ``loader``.
     """
 
     def __init__(self, filename: Any, framework: str = "pt", device: Any = "cpu", *,
-                 loader: Loader | None = None, verify: bool = False) -> None:
+                 loader: Loader | None = None, verify: bool = False,
+                 storage_options: dict[str, str] | None = None) -> None:
         from . import _core
         self._framework = framework
         self._ad = _adapter(framework)
-        self._layout = _core.Layout(filename)
+        loader = _core.loader_for(loader, storage_options)
+        self._layout = _core.Layout(filename, _core.storage_options_of(loader))
         self._device = self._ad.device(device)
         self._loader = loader
         self._verify = bool(verify)

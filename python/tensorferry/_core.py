@@ -76,12 +76,20 @@ class Loader:
 
     ``engine`` is ``auto`` (per file: buffered pread when the page cache holds it,
     io_uring + O_DIRECT when not), ``pread``, ``direct``, ``uring`` or ``gds``.
+
+    ``storage_options``: object store options (``object_store`` config keys such as
+    ``"aws_endpoint"``, ``"aws_access_key_id"``, ``"aws_secret_access_key"``,
+    ``"aws_region"``, ``"aws_allow_http"``, or their short forms ``"endpoint"``, ...) for
+    every URL this loader opens; they override the ``AWS_*`` / ``GOOGLE_*`` / ``AZURE_*``
+    environment. Only their names are ever shown (``repr``, ``options``).
     """
 
     def __init__(self, engine: str | None = None, threads: int | None = None,
                  staging_size: int | None = None, slots: int | None = None,
-                 uring_depth: int | None = None) -> None:
-        self._native = _native.NativeLoader(engine, threads, staging_size, slots, uring_depth)
+                 uring_depth: int | None = None, *, storage_options: dict[str, str] | None = None) -> None:
+        self._storage_options = _check_storage_options(storage_options)
+        self._native = _native.NativeLoader(engine, threads, staging_size, slots, uring_depth,
+                                            self._storage_options)
         self.last_report: dict | None = None
 
     @property
@@ -114,6 +122,49 @@ _default: Loader | None = None
 _default_lock = threading.Lock()
 
 
+def _check_storage_options(options: Any) -> dict[str, str] | None:
+    """A private copy of ``storage_options`` (str -> str), or None. Values never appear
+    in the errors raised here."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise InvalidArgumentError(f"storage_options must be a dict of str -> str, not {type(options).__name__}")
+    for k, v in options.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(f"storage_options must map str to str (bad entry for key {k!r})")
+    return dict(options)
+
+
+def storage_options_of(obj: Any) -> dict[str, str] | None:
+    """The storage options of a Loader or Saver (None for None or none set)."""
+    return getattr(obj, "_storage_options", None)
+
+
+def loader_for(loader: Loader | None, storage_options: dict[str, str] | None) -> Loader | None:
+    """``loader`` as given when ``storage_options`` is None; else a loader with the
+    options of ``loader`` (or the defaults) and these storage options over its own."""
+    if storage_options is None:
+        return loader
+    so = _check_storage_options(storage_options)
+    if loader is None:
+        return Loader(storage_options=so)
+    o = loader.options
+    return Loader(o["engine"], o["threads"], o["slot_size"], o["slots"], o["uring_depth"],
+                  storage_options={**(loader._storage_options or {}), **so})
+
+
+def saver_for(saver: Saver | None, storage_options: dict[str, str] | None) -> Saver | None:
+    """As :func:`loader_for`, for savers."""
+    if storage_options is None:
+        return saver
+    so = _check_storage_options(storage_options)
+    if saver is None:
+        return Saver(storage_options=so)
+    o = saver.options
+    return Saver(o["threads"], o["slot_size"], o["slots"], o["direct"], o["streams"],
+                 storage_options={**(saver._storage_options or {}), **so})
+
+
 def default_loader() -> Loader:
     """The loader module-level functions use (created on first use)."""
     global _default
@@ -134,15 +185,17 @@ class Saver:
     ``direct`` is ``"auto"`` (O_DIRECT for files of 64 MiB or more where the file system
     accepts it), ``"on"``, ``"off"`` or a bool. CUDA tensors are copied to pinned staging
     memory on a few streams and written from there; memory use is bounded by
-    ``staging_size * slots`` whatever the size of the checkpoint.
+    ``staging_size * slots`` whatever the size of the checkpoint. ``storage_options``:
+    object store options for every URL this saver writes, as for :class:`Loader`.
     """
 
     def __init__(self, threads: int | None = None, staging_size: int | None = None,
                  slots: int | None = None, direct: str | bool | None = None,
-                 streams: int | None = None) -> None:
+                 streams: int | None = None, *, storage_options: dict[str, str] | None = None) -> None:
         if isinstance(direct, bool):
             direct = "on" if direct else "off"
-        self._native = _native.NativeSaver(threads, staging_size, slots, direct, streams)
+        self._storage_options = _check_storage_options(storage_options)
+        self._native = _native.NativeSaver(threads, staging_size, slots, direct, streams, self._storage_options)
         self.last_report: dict | None = None
 
     @property
@@ -243,8 +296,8 @@ def _path(p: Any) -> str:
 class Layout:
     """A checkpoint's layout from the native side (files, tensors sorted by name)."""
 
-    def __init__(self, path: Any) -> None:
-        info = _native.open_checkpoint(_path(path))
+    def __init__(self, path: Any, storage_options: dict[str, str] | None = None) -> None:
+        info = _native.open_checkpoint(_path(path), storage_options)
         self.path = info["path"]
         self.files: list[str] = info["files"]
         self.metadata_: dict | None = info["metadata"]

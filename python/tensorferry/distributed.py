@@ -77,12 +77,12 @@ def last_report() -> dict | None:
 class _MultiLayout(_core.Layout):
     """Several checkpoints (files, indexes or directories) seen as one."""
 
-    def __init__(self, paths: Sequence[Any]) -> None:  # noqa: D107 - no native open of its own
+    def __init__(self, paths: Sequence[Any], storage_options: dict[str, str] | None = None) -> None:  # noqa: D107
         if not paths:
             raise InvalidArgumentError("load_checkpoint: an empty list of files")
         self.files, tensors, self.metadata_, self.sharded = [], {}, None, True
         for p in paths:
-            lay = _core.Layout(p)
+            lay = _core.Layout(p, storage_options)
             base = len(self.files)
             self.files.extend(lay.files)
             for name, e in lay.tensors.items():
@@ -95,10 +95,11 @@ class _MultiLayout(_core.Layout):
         self.tensors = dict(sorted(tensors.items()))
 
 
-def _open(source: Any) -> _core.Layout:
+def _open(source: Any, loader: Loader | None = None) -> _core.Layout:
+    so = _core.storage_options_of(loader)
     if isinstance(source, (list, tuple)):
-        return _MultiLayout(source)
-    return _core.Layout(source)
+        return _MultiLayout(source, so)
+    return _core.Layout(source, so)
 
 
 # --- tensor-parallel slices ------------------------------------------------------------
@@ -284,7 +285,7 @@ def _load_group(source: Any, device: Any, pg: Any, shard: ShardSpec, loader: Loa
     out, owners, whole, slices, nread, fp = {}, {}, [], {}, 0, 0
     try:
         dev = _AD.device(device)
-        layout = _open(source)
+        layout = _open(source, loader)
         whole, slices = _split(layout, shard)
         owners = _assign(layout, whole, world)
         fp = _fingerprint(layout, whole, slices)
@@ -412,7 +413,7 @@ def load_checkpoint(source: Any, device: Any = "cpu", *, process_group: Any = No
     if process_group is not None:
         return _load_group(source, device, process_group, shard, loader, staging_bytes, progress, on_progress, t0)
     dev = _AD.device(device)
-    layout = _open(source)
+    layout = _open(source, loader)
     whole, slices = _split(layout, shard)
     out, nread = _read(layout, whole, slices, dev, loader, progress, on_progress)
     if dev.type == "cuda":

@@ -77,10 +77,14 @@ _AD = _Numpy()
 
 
 def load_file(filename: Any, *, loader: Loader | None = None, progress: bool = False,
-              on_progress: ProgressCallback | None = None, verify: bool = False) -> dict[str, np.ndarray]:
+              on_progress: ProgressCallback | None = None, verify: bool = False,
+              storage_options: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Loads a safetensors file (or sharded checkpoint) into numpy arrays. ``verify``:
-    check each array against the xxh3-64 its file records (saved with ``checksums=True``)."""
-    layout = _core.Layout(filename)
+    check each array against the xxh3-64 its file records (saved with ``checksums=True``).
+    ``storage_options``: object store options for this call (as for
+    :func:`tensorferry.torch.load_file`)."""
+    loader = _core.loader_for(loader, storage_options)
+    layout = _core.Layout(filename, _core.storage_options_of(loader))
     return _core.load_layout(_AD, layout, layout.offset_keys(), "cpu", loader, progress, on_progress, verify)
 
 
@@ -91,11 +95,14 @@ def load(data: bytes) -> dict[str, np.ndarray]:
 
 def save_file(tensors: dict[str, np.ndarray], filename: Any, metadata: dict[str, str] | None = None, *,
               saver: Saver | None = None, progress: bool = False,
-              on_progress: ProgressCallback | None = None, checksums: bool = False) -> None:
+              on_progress: ProgressCallback | None = None, checksums: bool = False,
+              storage_options: dict[str, str] | None = None) -> None:
     """Saves arrays as a safetensors file (the reference layout), durably: it appears
     under ``filename`` only once whole and synced. ``checksums=True`` records an xxh3-64
-    of each array's bytes in the metadata, for ``load_file(..., verify=True)``."""
-    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress, checksums)
+    of each array's bytes in the metadata, for ``load_file(..., verify=True)``.
+    ``storage_options``: object store options for this call, over those of ``saver``."""
+    _core.save_tensors(_AD, tensors, filename, metadata, _core.saver_for(saver, storage_options), progress,
+                       on_progress, checksums)
 
 
 def save(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:

@@ -161,7 +161,8 @@ def _check_shared(tensors: dict[str, torch.Tensor]) -> None:
 
 def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = None, progress: bool = False,
               on_progress: ProgressCallback | None = None, process_group: Any = None,
-              shard: Any = None, verify: bool = False) -> dict[str, torch.Tensor]:
+              shard: Any = None, verify: bool = False,
+              storage_options: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Loads a safetensors file, a sharded checkpoint's index, or a directory holding one,
     in one submission. Same keys, in the same order (the order of the data in the file),
     dtypes, shapes and values as ``safetensors.torch.load_file``. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
@@ -169,14 +170,17 @@ def load_file(filename: Any, device: Any = "cpu", *, loader: Loader | None = Non
     :func:`tensorferry.distributed.load_file`. ``verify``: check every tensor against the
     xxh3-64 its file records (saved with ``checksums=True``) as its bytes pass through
     staging; a mismatch, or a file without checksums, raises
-    :class:`tensorferry.errors.InvalidFileError` naming the file (and tensor)."""
+    :class:`tensorferry.errors.InvalidFileError` naming the file (and tensor). ``storage_options``: object store options (``object_store`` config keys, e.g.
+    ``{"aws_endpoint": ..., "aws_access_key_id": ..., "aws_secret_access_key": ...}``)
+    for this call, over the environment and over the options of ``loader``."""
+    loader = _core.loader_for(loader, storage_options)
     if process_group is not None or shard is not None:
         if verify:
             raise UnsupportedError("verify=True is not supported with process_group / shard loads")
         from . import distributed
         return distributed.load_file(filename, device, process_group=process_group, shard=shard, loader=loader,
                                      progress=progress, on_progress=on_progress)
-    layout = _core.Layout(filename)
+    layout = _core.Layout(filename, _core.storage_options_of(loader))
     return _core.load_layout(_AD, layout, layout.offset_keys(), device, loader, progress, on_progress, verify)
 
 
@@ -187,7 +191,8 @@ def load(data: bytes, device: Any = "cpu") -> dict[str, torch.Tensor]:
 
 def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None, *,
               saver: Saver | None = None, progress: bool = False,
-              on_progress: ProgressCallback | None = None, checksums: bool = False) -> None:
+              on_progress: ProgressCallback | None = None, checksums: bool = False,
+              storage_options: dict[str, str] | None = None) -> None:
     """Saves tensors (on any device) as a safetensors file, byte for byte what
     ``safetensors.torch.save_file`` writes. CUDA tensors are saved from the device
     (through pinned staging, no ``.cpu()`` copy of the whole state dict); host memory use
@@ -195,15 +200,17 @@ def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[st
     whole and synced; on error (a full disk, Ctrl-C) the previous file stays intact.
     ``checksums=True`` also records an xxh3-64 of each tensor's bytes in the header's
     metadata (key ``"tensorferry.xxh3_64"``), for ``load_file(..., verify=True)``; the
-    file stays readable by safetensors."""
+    file stays readable by safetensors. ``storage_options``: object store options for
+    this call (as for :func:`load_file`), over the options of ``saver``."""
     _check_shared(tensors)
-    _core.save_tensors(_AD, tensors, filename, metadata, saver, progress, on_progress, checksums)
+    _core.save_tensors(_AD, tensors, filename, metadata, _core.saver_for(saver, storage_options), progress,
+                       on_progress, checksums)
 
 
 def save_sharded(state_dict: dict[str, torch.Tensor], directory: Any, max_shard_size: int | str = "5GB",
                  metadata: dict[str, str] | None = None, *, saver: Saver | None = None,
                  progress: bool = False, on_progress: ProgressCallback | None = None,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, storage_options: dict[str, str] | None = None) -> None:
     """Saves a state dict as a sharded checkpoint in ``directory``, as Hugging Face's
     ``save_torch_state_dict`` does: shards ``model-00001-of-0000N.safetensors`` filled
     greedily in the dict's order up to ``max_shard_size`` bytes of tensor data (an int, or
@@ -213,10 +220,10 @@ def save_sharded(state_dict: dict[str, torch.Tensor], directory: Any, max_shard_
     that fits one shard is a single ``model.safetensors`` with ``{"format": "pt",
     **metadata}`` in its header, and no index. Files of an earlier save in the directory
     (``model*.safetensors``, the index) that this one did not rewrite are removed. Load it
-    back with ``load_file(directory)``."""
+    back with ``load_file(directory)``. ``storage_options``: as for :func:`save_file`."""
     _check_shared(state_dict)
     _core.save_sharded_tensors(_AD, state_dict, directory, max_shard_size, {"format": "pt"}, metadata,
-                               saver, progress, on_progress, checksums)
+                               _core.saver_for(saver, storage_options), progress, on_progress, checksums)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -236,7 +243,7 @@ def load_tensors(specs: Sequence[Any], dtype: Any = torch.float32, device: Any =
     files: list[str] = []
     out, extents, targets = [], [], []
     for i, (path, n, off) in enumerate(_core.raw_specs(specs)):
-        offset, length = _native.raw_range(path, name, n, off)
+        offset, length = _native.raw_range(path, name, n, off, _core.storage_options_of(loader))
         if path not in files:
             files.append(path)
         t = torch.empty(length // _torch_dtype(name).itemsize, dtype=_torch_dtype(name), device=dev)

@@ -181,3 +181,76 @@ def test_save_file_and_sharded_to_s3_load_back_equal(s3, tmp_path):
     back = tft.load_file("s3://bucket/ck")
     for k, v in sd.items():
         assert torch.equal(back[k], v), k
+
+
+@pytest.fixture
+def s3_opts(s3, monkeypatch):
+    """The s3s-fs server with no AWS_* variables set: its settings as storage_options."""
+    opts = {"aws_endpoint": os.environ["AWS_ENDPOINT_URL"], "aws_access_key_id": KEY,
+            "aws_secret_access_key": SECRET, "aws_region": "us-east-1", "aws_allow_http": "true"}
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    return s3, opts
+
+
+def test_storage_options_load_save_safe_open_without_env(s3_opts, tmp_path):
+    root, opts = s3_opts
+    ref = _tensors()
+    safetensors.torch.save_file(ref, str(root / "model.safetensors"), metadata={"format": "pt"})
+    _same(tft.load_file("s3://bucket/model.safetensors", storage_options=opts), ref)
+    with tensorferry.safe_open("s3://bucket/model.safetensors", framework="pt", storage_options=opts) as f:
+        assert f.metadata() == {"format": "pt"}
+        assert torch.equal(f.get_tensor("b"), ref["b"])
+    import tensorferry.numpy as tfn
+    got = tfn.load_file("s3://bucket/model.safetensors", storage_options=opts)
+    assert (got["b"] == ref["b"].numpy()).all()
+    # Short key forms, and options held by a Loader / Saver.
+    short = {k.removeprefix("aws_"): v for k, v in opts.items()}
+    loader = tensorferry.Loader(storage_options=short)
+    _same(tft.load_file("s3://bucket/model.safetensors", loader=loader), ref)
+    sd = {"w": torch.randn(40, 30), "i": torch.arange(10)}
+    tft.save_file(sd, "s3://bucket/out/m.safetensors", storage_options=opts)
+    ref_path = tmp_path / "ref.safetensors"
+    safetensors.torch.save_file(sd, str(ref_path))
+    assert (root / "out" / "m.safetensors").read_bytes() == ref_path.read_bytes()
+    tft.save_sharded(sd, "s3://bucket/ck", max_shard_size=1000, saver=tensorferry.Saver(storage_options=opts))
+    back = tft.load_file("s3://bucket/ck", storage_options=opts)
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_storage_options_wrong_secret_is_permission_denied_not_leaked(s3_opts):
+    root, opts = s3_opts
+    safetensors.torch.save_file(_tensors(), str(root / "m.safetensors"))
+    bad = {**opts, "aws_secret_access_key": "wrong-secret-value-5678"}
+    for call in (lambda: tft.load_file("s3://bucket/m.safetensors", storage_options=bad),
+                 lambda: tensorferry.safe_open("s3://bucket/m.safetensors", storage_options=bad),
+                 lambda: tft.save_file({"x": torch.zeros(3)}, "s3://bucket/x.safetensors", storage_options=bad)):
+        with pytest.raises(tensorferry.errors.PermissionDeniedError) as e:
+            call()
+        assert "s3://bucket/" in str(e.value)
+        assert "wrong-secret-value-5678" not in str(e.value) and SECRET not in str(e.value)
+        assert "wrong-secret-value-5678" not in repr(e.value)
+
+
+def test_storage_options_repr_shows_names_only():
+    opts = {"aws_access_key_id": "AKIDVISIBLE", "aws_secret_access_key": "top-secret-value-99"}
+    for obj in (tensorferry.Loader(storage_options=opts), tensorferry.Saver(storage_options=opts)):
+        text = repr(obj) + str(obj.options)
+        assert "aws_secret_access_key" in text and "aws_access_key_id" in text
+        assert "top-secret-value-99" not in text and "AKIDVISIBLE" not in text
+    with pytest.raises(tensorferry.errors.InvalidArgumentError) as e:
+        tensorferry.Loader(storage_options={"aws_secret_access_key": 12345})
+    assert "12345" not in str(e.value)
+
+
+def test_storage_options_merge_over_loader_and_saver_options():
+    from tensorferry import _core
+    base = tensorferry.Loader(threads=3, storage_options={"aws_region": "eu-west-1"})
+    merged = _core.loader_for(base, {"aws_endpoint": "http://127.0.0.1:1"})
+    assert merged.options["threads"] == 3
+    assert merged.options["storage_options"] == ["aws_endpoint", "aws_region"]
+    assert _core.loader_for(base, None) is base
+    saver = _core.saver_for(tensorferry.Saver(threads=2, direct="off"), {"region": "x"})
+    assert saver.options["threads"] == 2 and saver.options["storage_options"] == ["region"]

@@ -124,7 +124,7 @@ def test_save_progress_and_report(tmp_path):
     size = os.path.getsize(tmp_path / "p.safetensors")
     assert seen and seen[-1] == (size, size)
     assert saver.last_report["bytes"] == size
-    assert set(saver.options) == {"threads", "slot_size", "slots", "direct", "streams"}
+    assert set(saver.options) == {"threads", "slot_size", "slots", "direct", "streams", "storage_options"}
 
 
 # --- sharded checkpoints ------------------------------------------------------------------

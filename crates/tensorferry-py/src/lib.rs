@@ -2,7 +2,7 @@
 //! No I/O logic lives here; `python/tensorferry/` builds the user-facing API on top.
 #![allow(clippy::needless_pass_by_value)] // pyo3 hands arguments over by value
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -15,6 +15,7 @@ use tensorferry::format::{safetensors, Dtype, RawSpec};
 use tensorferry::io::ProgressFn;
 use tensorferry::pipeline::{Report, Target};
 use tensorferry::plan::Extent;
+use tensorferry::source::ObjectOptions;
 use tensorferry::{
     Checkpoint, DeviceRegion, DirectPolicy, EngineChoice, Error, LoadOptions, Loader, SaveControl,
     SaveOptions, SaveReport, SaveSource, SaveTensor, Saver,
@@ -74,6 +75,24 @@ fn to_py(e: Error) -> PyErr {
     })
 }
 
+/// Object store options: the defaults (`TENSORFERRY_OBJECT_*`, then `AWS_*`/`GOOGLE_*`/
+/// `AZURE_*`) with `storage_options` (`object_store` config keys) applied over them.
+/// Keys are sorted so equal dicts share one cached client.
+fn object_options(storage_options: Option<HashMap<String, String>>) -> ObjectOptions {
+    let mut o = LoadOptions::default().object;
+    if let Some(map) = storage_options {
+        let mut pairs: Vec<(String, String)> = map.into_iter().collect();
+        pairs.sort();
+        o.options.extend(pairs);
+    }
+    o
+}
+
+/// The option keys (never values) of object store options, sorted.
+fn option_keys(o: &ObjectOptions) -> Vec<String> {
+    o.options.iter().map(|(k, _)| k.clone()).collect()
+}
+
 fn dtype_of(name: &str) -> PyResult<Dtype> {
     name.parse::<Dtype>()
         .map_err(|e| to_py(Error::InvalidArgument(e.to_string())))
@@ -81,10 +100,19 @@ fn dtype_of(name: &str) -> PyResult<Dtype> {
 
 /// Opens a checkpoint (file, index or directory) and returns its layout as a dict:
 /// `files`, `tensors` (name, dtype, shape, file index, file offset, length, begin, end;
-/// sorted by name), `metadata`, `sharded`.
+/// sorted by name), `metadata`, `sharded`. `storage_options` configure object stores
+/// (over the environment).
 #[pyfunction]
-fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyDict>> {
-    let ck = py.detach(|| Checkpoint::open(&path)).map_err(to_py)?;
+#[pyo3(signature = (path, storage_options=None))]
+fn open_checkpoint(
+    py: Python<'_>,
+    path: PathBuf,
+    storage_options: Option<HashMap<String, String>>,
+) -> PyResult<Py<PyDict>> {
+    let object = object_options(storage_options);
+    let ck = py
+        .detach(|| Checkpoint::open_with(&path, &object))
+        .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("path", ck.path.display().to_string())?;
     d.set_item(
@@ -167,23 +195,22 @@ fn serialize_header(
 
 /// Byte range `(offset, length)` of a raw tensor in a file, checked against its size.
 #[pyfunction]
-#[pyo3(signature = (path, dtype, num_elements=None, offset=0))]
+#[pyo3(signature = (path, dtype, num_elements=None, offset=0, storage_options=None))]
 fn raw_range(
     py: Python<'_>,
     path: PathBuf,
     dtype: &str,
     num_elements: Option<u64>,
     offset: u64,
+    storage_options: Option<HashMap<String, String>>,
 ) -> PyResult<(u64, u64)> {
     let dtype = dtype_of(dtype)?;
+    let object = object_options(storage_options);
     py.detach(|| {
         let len = if tensorferry::source::is_url(&path) {
-            tensorferry::source::ObjectFile::open(
-                &path.to_string_lossy(),
-                &tensorferry::LoadOptions::default().object,
-            )?
-            .len()
-            .unwrap_or(0)
+            tensorferry::source::ObjectFile::open(&path.to_string_lossy(), &object)?
+                .len()
+                .unwrap_or(0)
         } else {
             std::fs::metadata(&path)
                 .map_err(|e| Error::io(&path, "stat", 0, e))?
@@ -234,15 +261,19 @@ fn report_dict(py: Python<'_>, r: &Report) -> PyResult<Py<PyDict>> {
 #[pymethods]
 impl NativeLoader {
     #[new]
-    #[pyo3(signature = (engine=None, threads=None, slot_size=None, slots=None, uring_depth=None))]
+    #[pyo3(signature = (engine=None, threads=None, slot_size=None, slots=None, uring_depth=None, storage_options=None))]
     fn new(
         engine: Option<&str>,
         threads: Option<usize>,
         slot_size: Option<usize>,
         slots: Option<usize>,
         uring_depth: Option<u32>,
+        storage_options: Option<HashMap<String, String>>,
     ) -> PyResult<Self> {
-        let mut o = LoadOptions::default();
+        let mut o = LoadOptions {
+            object: object_options(storage_options),
+            ..LoadOptions::default()
+        };
         if let Some(e) = engine {
             o.engine = e.parse::<EngineChoice>().map_err(to_py)?;
         }
@@ -272,6 +303,7 @@ impl NativeLoader {
         d.set_item("slot_size", o.slot_size)?;
         d.set_item("slots", o.slots)?;
         d.set_item("uring_depth", o.uring_depth)?;
+        d.set_item("storage_options", option_keys(&o.object))?;
         Ok(d.unbind())
     }
 
@@ -550,15 +582,19 @@ struct NativeSaver {
 #[pymethods]
 impl NativeSaver {
     #[new]
-    #[pyo3(signature = (threads=None, slot_size=None, slots=None, direct=None, streams=None))]
+    #[pyo3(signature = (threads=None, slot_size=None, slots=None, direct=None, streams=None, storage_options=None))]
     fn new(
         threads: Option<usize>,
         slot_size: Option<usize>,
         slots: Option<usize>,
         direct: Option<&str>,
         streams: Option<usize>,
+        storage_options: Option<HashMap<String, String>>,
     ) -> PyResult<Self> {
-        let mut o = SaveOptions::default();
+        let mut o = SaveOptions {
+            object: object_options(storage_options),
+            ..SaveOptions::default()
+        };
         if let Some(t) = threads {
             o.threads = t.max(1);
         }
@@ -588,6 +624,7 @@ impl NativeSaver {
         d.set_item("slots", o.slots)?;
         d.set_item("direct", o.direct.to_string())?;
         d.set_item("streams", o.streams)?;
+        d.set_item("storage_options", option_keys(&o.object))?;
         Ok(d.unbind())
     }
 
