@@ -3,6 +3,9 @@
 //! pass through staging — through pools so small that tensors straddle slots and their
 //! pieces arrive out of order across threads — and name the tensor whose bytes differ.
 
+mod common;
+use common::pseudo_random_bytes;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -38,18 +41,6 @@ fn loader(engine: EngineChoice, slot_size: usize, verify: bool) -> Loader {
     })
 }
 
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
 struct Owned {
     name: String,
     dtype: Dtype,
@@ -64,7 +55,7 @@ impl Owned {
             name: name.to_string(),
             dtype,
             shape: shape.to_vec(),
-            data: bytes(n as usize, seed),
+            data: pseudo_random_bytes(n as usize, seed),
         }
     }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::servers::{s3_options, Fault, FaultProxy, RangeServer, S3Server, SECRET_KEY};
-use common::{expected, fixtures, sha256_hex, SINGLE_FILES};
+use common::{expected, fixtures, pseudo_random_bytes, sha256_hex, SINGLE_FILES};
 use tensorferry::source::ObjectOptions;
 use tensorferry::{Checkpoint, Engine, Error, LoadOptions, Loader};
 
@@ -281,18 +281,6 @@ fn tiny_saver(object: ObjectOptions) -> Saver {
     })
 }
 
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
 /// `(name, dtype, shape, bytes)` of a few tensors, from a scalar to ~100 KiB.
 fn owned() -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
     [
@@ -306,7 +294,7 @@ fn owned() -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
     .enumerate()
     .map(|(i, (n, d, s))| {
         let len = d.bytes_for(s.iter().product()).unwrap() as usize;
-        (n.to_string(), d, s, pseudo_random(len, i as u64 + 1))
+        (n.to_string(), d, s, pseudo_random_bytes(len, i as u64 + 1))
     })
     .collect()
 }
@@ -371,7 +359,7 @@ fn s3_save_loads_back_bit_exact() {
         "f.huge".into(),
         Dtype::U8,
         vec![12 << 20],
-        pseudo_random(12 << 20, 9),
+        pseudo_random_bytes(12 << 20, 9),
     ));
     let saver = Saver::new(SaveOptions {
         slot_size: 1 << 20,

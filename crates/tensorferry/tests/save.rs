@@ -22,7 +22,7 @@ use tensorferry::{
     SaveSource, SaveTensor, Saver,
 };
 
-use common::{expected, fixture};
+use common::{expected, fixture, pseudo_random_bytes};
 
 /// Staging of 4 KiB slots, three of them: tensors straddle slots and every write of a
 /// file of more than 12 KiB waits for a slot.
@@ -35,19 +35,6 @@ fn tiny(direct: DirectPolicy) -> Saver {
         streams: 2,
         ..SaveOptions::default()
     })
-}
-
-/// Deterministic pseudo-random bytes.
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// A tensor as owned test data.
@@ -65,7 +52,7 @@ impl Owned {
             name: name.to_string(),
             dtype,
             shape: shape.to_vec(),
-            data: bytes(n as usize, seed),
+            data: pseudo_random_bytes(n as usize, seed),
         })
     }
 
@@ -504,13 +491,13 @@ fn write_at_creates_extends_and_overwrites_in_place() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("raw.bin");
     let saver = tiny(DirectPolicy::On);
-    let a = bytes(10_000, 1);
+    let a = pseudo_random_bytes(10_000, 1);
     let r = saver.write_at(&path, 3, &SaveSource::Host(&a)).unwrap();
     assert_eq!(r.bytes, 10_000);
     let mut want = vec![0u8; 3];
     want.extend_from_slice(&a);
     assert_eq!(std::fs::read(&path).unwrap(), want);
-    let b = bytes(100, 2);
+    let b = pseudo_random_bytes(100, 2);
     saver.write_at(&path, 50, &SaveSource::Host(&b)).unwrap();
     want[50..150].copy_from_slice(&b);
     assert_eq!(
@@ -519,7 +506,7 @@ fn write_at_creates_extends_and_overwrites_in_place() {
         "overwrite in place, no truncation"
     );
     // Larger than one buffered write (split over the writer threads).
-    let big = bytes((9 << 20) + 5, 3);
+    let big = pseudo_random_bytes((9 << 20) + 5, 3);
     saver
         .write_at(&path, 20_000, &SaveSource::Host(&big))
         .unwrap();

@@ -186,3 +186,16 @@ pub fn copy_fixture(rel: &str, dir: &Path) -> PathBuf {
     std::fs::copy(&src, &dst).unwrap();
     dst
 }
+
+/// Deterministic pseudo-random bytes (xorshift64), for test data.
+pub fn pseudo_random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
