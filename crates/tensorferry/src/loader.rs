@@ -220,13 +220,7 @@ impl Loader {
             Vec::new()
         };
         let mut dests = out.iter_mut().map(|t| &mut *t.data).collect::<Vec<_>>();
-        let targets: Vec<Target> = dests
-            .iter_mut()
-            .map(|d| Target::Host {
-                ptr: d.as_mut_ptr(),
-                len: d.len() as u64,
-            })
-            .collect();
+        let targets = host_targets(&mut dests);
         let sink = HostSink::new(&targets)?;
         // SAFETY: the targets are buffers we just allocated and own until return.
         let report =
@@ -472,13 +466,7 @@ impl Loader {
         extents: &[Extent],
         dests: &mut [&mut [u8]],
     ) -> Result<Report> {
-        let targets: Vec<Target> = dests
-            .iter_mut()
-            .map(|d| Target::Host {
-                ptr: d.as_mut_ptr(),
-                len: d.len() as u64,
-            })
-            .collect();
+        let targets = host_targets(dests);
         let sink = HostSink::new(&targets)?;
         // SAFETY: the targets are the caller's exclusive borrows, alive for this call.
         unsafe { self.read_into(paths, extents, &targets, &sink) }
@@ -581,4 +569,15 @@ fn checkpoint_checks(ck: &Checkpoint, entries: &[&TensorEntry]) -> Result<Vec<Ch
         });
     }
     Ok(checks)
+}
+
+/// Host buffers as pipeline targets (addresses of the caller's exclusive borrows).
+fn host_targets(dests: &mut [&mut [u8]]) -> Vec<Target> {
+    dests
+        .iter_mut()
+        .map(|d| Target::Host {
+            ptr: d.as_mut_ptr(),
+            len: d.len() as u64,
+        })
+        .collect()
 }
