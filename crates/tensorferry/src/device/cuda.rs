@@ -314,6 +314,7 @@ impl Drop for DeviceBuffer {
 /// Page-locks the staging pool's memory with `cuMemHostRegister` (once per pool), so
 /// host-to-device copies from it run at full PCIe speed and asynchronously.
 pub fn register_pool(pool: &StagingPool) -> Result<()> {
+    pool.populate();
     pool.register_once(|ptr, len| {
         let t = std::time::Instant::now();
         init()?;

@@ -19,16 +19,20 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// A buffer of `len` zero bytes (pages are mapped lazily by the kernel).
+    /// A buffer of `len` zero bytes (pages are mapped lazily by the kernel). Buffers of
+    /// 2 MiB or more start on a 2 MiB boundary, so that transparent huge pages can back
+    /// all of them.
     pub fn zeroed(len: usize) -> Result<Self> {
+        const HUGE: usize = 2 << 20;
         let map_len = len
             .max(1)
             .next_multiple_of(crate::source::local::page_size());
+        let slack = if map_len >= HUGE { HUGE } else { 0 };
         // SAFETY: anonymous private mapping; the result is checked before use.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                map_len,
+                map_len + slack,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -41,8 +45,25 @@ impl AlignedBuf {
                 std::io::Error::last_os_error()
             )));
         }
+        let mut start = addr.cast::<u8>();
+        if slack > 0 {
+            // Trim the mapping to a 2 MiB-aligned `map_len` bytes.
+            let head = start.align_offset(HUGE);
+            // SAFETY: head and tail are the parts of our own new mapping outside
+            // `start + head .. + map_len`; both lie within `map_len + slack` bytes.
+            unsafe {
+                if head > 0 {
+                    libc::munmap(start.cast(), head);
+                }
+                let tail = slack - head;
+                if tail > 0 {
+                    libc::munmap(start.add(head + map_len).cast(), tail);
+                }
+                start = start.add(head);
+            }
+        }
         Ok(Self {
-            ptr: NonNull::new(addr.cast()).expect("mmap returned non-null"),
+            ptr: NonNull::new(start).expect("mmap returned non-null"),
             len,
             map_len,
         })

@@ -1,7 +1,7 @@
 //! The staging pool: a fixed set of page-aligned slots that reads land in before their
 //! bytes are copied to the destination. Memory stays bounded by the pool.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Once};
 
 use crate::device::host::AlignedBuf;
 use crate::error::Result;
@@ -21,6 +21,23 @@ struct Inner {
     returned: Condvar,
     /// Undoes a driver registration (e.g. `cuMemHostUnregister`) before unmapping.
     unregister: Mutex<Option<Unregister>>,
+    populated: Once,
+}
+
+/// Faults in `len` bytes at `addr` (inside the pool's mapping) for writing, keeping their
+/// contents: `MADV_POPULATE_WRITE` (Linux 5.14), else an atomic no-op write per page.
+fn populate_range(addr: usize, len: usize) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: advice on part of our own mapping; it changes no contents.
+    if unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) } == 0 {
+        return;
+    }
+    for page in (addr..addr + len).step_by(4096) {
+        // SAFETY: `page` is inside the pool's live mapping; `fetch_or(0)` writes back the
+        // byte it reads atomically, so a slot in use by another thread keeps its data.
+        unsafe { std::sync::atomic::AtomicU8::from_ptr(page as *mut u8) }
+            .fetch_or(0, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Undoes a registration of the pool's memory.
@@ -61,6 +78,7 @@ impl StagingPool {
                 free: Mutex::new((0..count).rev().collect()),
                 returned: Condvar::new(),
                 unregister: Mutex::new(None),
+                populated: Once::new(),
             }),
         })
     }
@@ -84,6 +102,34 @@ impl StagingPool {
     pub fn region(&self) -> (*mut u8, usize) {
         let _keep = self.inner.mem.lock();
         (self.inner.base, self.bytes())
+    }
+
+    /// Backs the whole pool with memory now (once), from several threads, without
+    /// changing its contents. Pinning (`cuMemHostRegister`, io_uring buffer registration)
+    /// faults every page in one thread while it holds the driver's lock: on the H200
+    /// machine 26-34 ms for 128 MiB, against 4 ms once the pages are present.
+    pub fn populate(&self) {
+        self.inner.populated.call_once(|| {
+            let t = std::time::Instant::now();
+            let len = self.bytes();
+            let threads = std::thread::available_parallelism()
+                .map_or(1, std::num::NonZero::get)
+                .min(8)
+                .min(len.div_ceil(8 << 20))
+                .max(1);
+            let chunk = len.div_ceil(threads).next_multiple_of(2 << 20);
+            let base = self.inner.base as usize;
+            std::thread::scope(|s| {
+                for start in (0..len).step_by(chunk) {
+                    let n = chunk.min(len - start);
+                    s.spawn(move || populate_range(base + start, n));
+                }
+            });
+            log::debug!(
+                "populated {len} bytes of staging memory in {:.1} ms ({threads} threads)",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        });
     }
 
     /// Registers the pool's memory with a driver once: `register(base, len)` runs on the
@@ -204,5 +250,19 @@ mod tests {
         assert_eq!(pool.available(), 1);
         let c = pool.try_acquire().unwrap();
         assert_ne!(c.index(), a.index());
+    }
+
+    #[test]
+    fn populate_keeps_the_data_of_slots_in_use_and_big_pools_start_on_2_mib() {
+        let pool = StagingPool::new(3 << 20, 3).unwrap();
+        assert_eq!(pool.region().0 as usize % (2 << 20), 0);
+        let mut a = pool.acquire();
+        let pattern: Vec<u8> = (0..a.capacity()).map(|i| (i * 31 % 251) as u8).collect();
+        a.as_mut_slice().copy_from_slice(&pattern);
+        pool.populate();
+        pool.populate();
+        assert_eq!(a.as_slice(), &pattern[..]);
+        let b = pool.acquire();
+        assert!(b.as_slice().iter().all(|&x| x == 0));
     }
 }

@@ -116,6 +116,7 @@ fn run_inner(
         source: e,
     };
     let mut ring = IoUring::new(depth).map_err(|e| uring_err("io_uring_setup", e))?;
+    pool.populate();
     let iovecs: Vec<libc::iovec> = (0..pool.count())
         .map(|i| libc::iovec {
             iov_base: pool.slot_ptr(i).cast(),
