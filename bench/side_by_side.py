@@ -6,7 +6,7 @@ extended: tensorferry loads the checkpoint in one submission (its directory), ea
 also reports peak host RSS growth and GPU memory left over, the machine is printed
 first, and `plot` draws the table as a PNG.
 
-    python3 side_by_side.py make [--dir D]            # Qwen3-4B-shaped bf16 checkpoint, 2 shards
+    python3 side_by_side.py make [--dir D] [--layers N] # Qwen3-4B-shaped bf16 checkpoint, 2 shards
     python3 side_by_side.py run  [--dir D] [--loaders a,b,...] [--md OUT.md] [--json OUT.json]
 
 `run` measures the machine's ceilings (pinned host->device copy, O_DIRECT disk read,
@@ -21,8 +21,8 @@ DEV = "cuda:0"
 HERE = os.path.abspath(__file__)
 
 
-def shapes():
-    h, inter, q, kv, vocab, layers = 2560, 9728, 4096, 1024, 151936, 36
+def shapes(layers=36):
+    h, inter, q, kv, vocab = 2560, 9728, 4096, 1024, 151936
     out = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -45,14 +45,18 @@ def files(d):
     return sorted({f"{d}/{v}" for v in idx["weight_map"].values()})
 
 
-def make(d):
+def make(d, layers=36):
+    """Qwen3-4B's shapes (36 layers: 8.82 GB in 2 shards); more layers make a larger
+    checkpoint in shards of about the same 4.4 GB (168 layers: 35.5 GB, 4.0x, 9 shards)."""
     import torch
     from safetensors.torch import save_file
     os.makedirs(d, exist_ok=True)
-    sh = shapes(); half = len(sh) // 2
+    sh = shapes(layers)
+    nshards = max(2, round(len(sh) / (len(shapes()) / 2)))
+    cuts = [i * len(sh) // nshards for i in range(nshards + 1)]
     sums, wmap, total, tsave = {}, {}, 0, 0.0
-    for n, part in enumerate((sh[:half], sh[half:]), 1):
-        name = f"model-0000{n}-of-00002.safetensors"
+    for n, part in enumerate((sh[cuts[i]:cuts[i + 1]] for i in range(nshards)), 1):
+        name = f"model-{n:05d}-of-{nshards:05d}.safetensors"
         ts = {}
         for k, s in part:
             t = torch.randn(s, device=DEV, dtype=torch.bfloat16)
@@ -163,10 +167,14 @@ def one(d, name, mode):
     except OSError:
         pass
     rss0 = rss_kib("VmRSS")
+    if os.environ.get("TENSORFERRY_LOG") == "debug":  # marks to line up with the debug log's stamps
+        print(f"[bench {time.monotonic():.6f}] load starts", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     res, keep = LOADERS[name](fs)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if os.environ.get("TENSORFERRY_LOG") == "debug":
+        print(f"[bench {time.monotonic():.6f}] load done", file=sys.stderr, flush=True)
     peak_growth = (rss_kib("VmHWM") - rss0) * 1024
     tensor_bytes = sum(t.numel() * t.element_size() for t in res.values())
     extra_gpu = (free0 - torch.cuda.mem_get_info()[0]) - tensor_bytes
@@ -301,11 +309,12 @@ if __name__ == "__main__":
     ap.add_argument("cmd", choices=["make", "run", "one", "plot"])
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--dir", default="/tmp/tf-bench")
+    ap.add_argument("--layers", type=int, default=36, help="make: decoder layers (36: Qwen3-4B, 8.82 GB)")
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--md"); ap.add_argument("--json"); ap.add_argument("--png")
     a = ap.parse_intermixed_args()
     if a.cmd == "make":
-        make(a.dir)
+        make(a.dir, a.layers)
     elif a.cmd == "plot":
         plot(a.json, a.png)
     elif a.cmd == "one":

@@ -778,7 +778,20 @@ impl log::Log for StderrLog {
     }
     fn log(&self, r: &log::Record<'_>) {
         if self.enabled(r.metadata()) {
-            eprintln!("[tensorferry {}] {}", r.level(), r.args());
+            // CLOCK_MONOTONIC seconds, as Python's time.monotonic(): the two logs interleave.
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: clock_gettime writes the timespec we own.
+            unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut ts) };
+            eprintln!(
+                "[tensorferry {} {}.{:06}] {}",
+                r.level(),
+                ts.tv_sec,
+                ts.tv_nsec / 1000,
+                r.args()
+            );
         }
     }
     fn flush(&self) {}
