@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import _native
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, OutOfMemoryError
 
 ProgressCallback = Callable[[int, int], None]
 _DEBUG = os.environ.get("TENSORFERRY_LOG", "") in ("debug", "trace")
@@ -20,7 +20,7 @@ _DEBUG = os.environ.get("TENSORFERRY_LOG", "") in ("debug", "trace")
 
 def _debug(msg: str) -> None:
     if _DEBUG:
-        print(f"[tensorferry DEBUG] {msg}", file=sys.stderr)
+        print(f"[tensorferry DEBUG {time.monotonic():.6f}] {msg}", file=sys.stderr)
 
 
 class Adapter:
@@ -327,16 +327,27 @@ def load_layout(ad: Adapter, layout: Layout, names: Iterable[str], device: Any, 
     loader = loader or default_loader()
     dev = ad.device(device)
     t0 = time.perf_counter()
-    out, extents, targets = {}, [], []
-    for i, name in enumerate(names):
-        dtype, shape, file, offset, length, _, _ = layout.entry(name)
-        arr = ad.empty(shape, dtype, dev)
-        out[name] = arr
-        targets.append(ad.target(arr))
-        extents.append((file, offset, length, i, 0))
-    _debug(f"allocated {len(out)} tensors on {dev} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
-    loader.read_into(layout.files, extents, targets, ad.stream(dev), progress, on_progress, os.path.basename(layout.path),
-                     list(out) if verify else None)
+    out, extents, targets, arr = {}, [], [], None
+    try:
+        for i, name in enumerate(names):
+            dtype, shape, file, offset, length, _, _ = layout.entry(name)
+            try:
+                arr = ad.empty(shape, dtype, dev)
+            except OutOfMemoryError as e:
+                raise OutOfMemoryError(f"{layout.files[file]}: no room on {dev} for tensor {name!r} ({length} bytes; "
+                                       f"{len(out)} tensors allocated before it were freed): {e}") from None
+            out[name] = arr
+            targets.append(ad.target(arr))
+            extents.append((file, offset, length, i, 0))
+        _debug(f"allocated {len(out)} tensors on {dev} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        loader.read_into(layout.files, extents, targets, ad.stream(dev), progress, on_progress,
+                         os.path.basename(layout.path), list(out) if verify else None)
+    except BaseException:
+        # A failed load frees its tensors now, not when the traceback (which holds this
+        # frame) goes: the memory is back where it was when the exception reaches the caller.
+        out.clear()
+        arr = None  # noqa: F841 - drops the last reference
+        raise
     return {n: ad.finish(a, layout.tensors[n][0], layout.tensors[n][1]) for n, a in out.items()}
 
 

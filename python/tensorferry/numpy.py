@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _core
 from ._core import Loader, ProgressCallback, Saver
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError, OutOfMemoryError, UnsupportedError
 
 _BY_NAME: dict[str, Any] = {
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -46,7 +46,10 @@ class _Numpy(_core.Adapter):
         return "cpu"
 
     def empty(self, shape, dtype, device):
-        return np.empty(tuple(shape), dtype=_np_dtype(dtype))
+        try:
+            return np.empty(tuple(shape), dtype=_np_dtype(dtype))
+        except MemoryError as e:
+            raise OutOfMemoryError(str(e)) from None
 
     def target(self, a: np.ndarray):
         if not a.flags.c_contiguous or not a.flags.writeable:

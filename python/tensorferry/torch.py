@@ -16,7 +16,7 @@ import torch
 
 from . import _core, _native
 from ._core import Loader, ProgressCallback, Saver, default_loader
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError, OutOfMemoryError, UnsupportedError
 
 _BY_NAME: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
@@ -71,6 +71,9 @@ def _device(device: Any) -> torch.device:
     return d
 
 
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 class _Torch(_core.Adapter):
     name = "pt"
 
@@ -78,7 +81,14 @@ class _Torch(_core.Adapter):
         return _device(device)
 
     def empty(self, shape, dtype, device):
-        return torch.empty(tuple(shape), dtype=_torch_dtype(dtype), device=device)
+        try:
+            return torch.empty(tuple(shape), dtype=_torch_dtype(dtype), device=device)
+        except _TORCH_OOM as e:
+            raise OutOfMemoryError(str(e).split("\n")[0]) from None
+        except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
+            if "allocate" not in str(e):
+                raise
+            raise OutOfMemoryError(str(e).split("\n")[0]) from None
 
     def target(self, t: torch.Tensor):
         if not t.is_contiguous():

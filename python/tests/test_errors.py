@@ -14,7 +14,7 @@ import torch
 import tensorferry
 import tensorferry.numpy as tfn
 import tensorferry.torch as tft
-from conftest import random_tensor
+from conftest import _cuda_skip_reason, assert_same_dict, random_tensor
 
 # Every way to open a checkpoint; each must fail the same way.
 OPENERS = {
@@ -251,3 +251,102 @@ def test_progress_callback_exception_propagates(st_file):
         tft.load_file(path, on_progress=boom)
     assert_loads_fine = tft.load_file(path)
     assert torch.equal(assert_loads_fine["a"], torch.zeros(100))
+
+
+def test_out_of_memory_part_way_frees_what_was_allocated(st_file, monkeypatch):
+    """The destination runs out of room at the third tensor: an OutOfMemoryError naming
+    the file and tensor, and the two tensors allocated before it are freed at once (not
+    kept alive by the traceback)."""
+    import gc
+    import weakref
+
+    path = st_file({f"t{i}": random_tensor((1000,), torch.float32, seed=i) for i in range(5)})
+    allocated = []
+    real_empty = tft._AD.empty
+
+    def empty(shape, dtype, device):
+        if len(allocated) == 2:
+            raise tensorferry.OutOfMemoryError("CUDA out of memory (simulated)")
+        t = real_empty(shape, dtype, device)
+        allocated.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(tft._AD, "empty", empty)
+    gc.disable()  # only reference counting may free them
+    try:
+        with pytest.raises(tensorferry.OutOfMemoryError) as info:
+            tft.load_file(path)
+        assert path in str(info.value) and "'t2'" in str(info.value), info.value
+        assert "simulated" in str(info.value)
+        assert len(allocated) == 2 and all(r() is None for r in allocated), "allocated tensors kept alive"
+    finally:
+        gc.enable()
+    monkeypatch.undo()
+    assert_same_dict(tft.load_file(path), safetensors.torch.load_file(path))
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_memory_part_way_gives_the_memory_back(st_file):
+    """A real CUDA out of memory: the GPU is filled until only about two of four 256 MiB
+    tensors fit; the load fails naming the file, torch's allocated memory is back where
+    it was, and once there is room the same load works."""
+    if (reason := _cuda_skip_reason()) is not None:
+        pytest.skip(f"no CUDA device: {reason}")
+    each = 256 << 20
+    ref = {f"w{i}": random_tensor((each // 4,), torch.float32, seed=i) for i in range(4)}
+    path = st_file(ref)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - int(2.5 * each), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(tensorferry.OutOfMemoryError) as info:
+            tft.load_file(path, device="cuda")
+        assert path in str(info.value), info.value
+        assert torch.cuda.memory_allocated() == before + filler.numel()
+    finally:
+        del filler
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() == before
+    assert_same_dict(tft.load_file(path, device="cuda"), ref, device="cuda")
+
+
+def test_a_load_that_fails_part_way_frees_its_tensors(tmp_path):
+    """A read error after the tensors were allocated (a file cut short between opening
+    and reading) leaves none of them alive."""
+    import gc
+    import weakref
+
+    ref = {f"t{i}": random_tensor((50_000,), torch.float32, seed=i) for i in range(4)}
+    path = str(tmp_path / "m.safetensors")
+    safetensors.torch.save_file(ref, path)
+    seen = []
+    real_read_into = tensorferry.Loader.read_into
+
+    def read_into(self, files, extents, targets, *args, **kw):
+        import os
+        os.truncate(files[0], os.path.getsize(files[0]) - 1000)  # the file shrinks under us
+        seen.extend(targets)
+        return real_read_into(self, files, extents, targets, *args, **kw)
+
+    allocated = []
+    real_empty = tft._AD.empty
+
+    def empty(*a):
+        t = real_empty(*a)
+        allocated.append(weakref.ref(t))
+        return t
+
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tensorferry.Loader, "read_into", read_into)
+            mp.setattr(tft._AD, "empty", empty)
+            with pytest.raises(tensorferry.TensorferryError) as info:
+                tft.load_file(path)
+        assert path in str(info.value), info.value
+        assert len(allocated) == 4 and seen, "the load did not get as far as reading"
+        assert all(r() is None for r in allocated), "a failed load kept its tensors alive"
+    finally:
+        gc.enable()

@@ -240,7 +240,16 @@ impl Loader {
         let mut extents = Vec::with_capacity(ck.tensors.len());
         let mut targets = Vec::with_capacity(ck.tensors.len());
         for (i, t) in ck.tensors.iter().enumerate() {
-            let data = DeviceBuffer::alloc(ctx, t.len() as usize)?;
+            // Out of memory part way: the buffers allocated so far are freed with `out`.
+            let data = DeviceBuffer::alloc(ctx, t.len() as usize).map_err(|e| match e {
+                Error::OutOfMemory(m) => Error::OutOfMemory(format!(
+                    "{}: tensor {:?} ({i} of {} allocated before it were freed): {m}",
+                    ck.files[t.file].display(),
+                    t.name(),
+                    ck.tensors.len()
+                )),
+                e => e,
+            })?;
             targets.push(Target::Cuda {
                 device: ordinal,
                 ptr: data.ptr(),
