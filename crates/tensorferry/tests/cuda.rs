@@ -41,13 +41,14 @@ fn write_u8_tensors(path: &Path, count: usize, each: usize) -> Vec<Vec<u8>> {
     data
 }
 
+const EACH: usize = 256 << 20;
+
 #[test]
 fn out_of_memory_part_way_frees_what_was_allocated() {
     if let Some(why) = cuda_skip() {
         eprintln!("SKIP out_of_memory_part_way_frees_what_was_allocated: {why}");
         return;
     }
-    const EACH: usize = 256 << 20;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("four.safetensors");
     let want = write_u8_tensors(&path, 4, EACH);

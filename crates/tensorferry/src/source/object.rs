@@ -75,6 +75,9 @@ impl Location {
 /// extra store options (`aws_access_key_id`, `aws_endpoint`, `google_service_account`,
 /// `azure_storage_account_name`, ... as `object_store` names them), applied after the
 /// environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`). `Debug` shows option keys, never values.
+/// Other endpoints than the clouds' own (emulators, private links) are
+/// `aws_endpoint`, `google_base_url` and `azure_storage_endpoint` (the account's blob
+/// URL), with `allow_http` for plain HTTP.
 #[derive(Clone)]
 pub struct ObjectOptions {
     /// Extra `(key, value)` options of the store builders; they override the environment.
@@ -130,20 +133,34 @@ impl ObjectOptions {
     }
 
     /// Every configured value that looks secret (keys, tokens, passwords), to scrub
-    /// from error texts.
+    /// from error texts; for a JSON value (a service account key) also each of its
+    /// secret-looking fields, which an error could quote alone.
     fn secrets(&self) -> Vec<String> {
-        self.env()
-            .into_iter()
-            .chain(self.options.iter().cloned())
-            .filter(|(k, v)| {
-                let k = k.to_ascii_lowercase();
-                v.len() >= 4
-                    && ["secret", "key", "token", "password", "sas", "credential"]
-                        .iter()
-                        .any(|s| k.contains(s))
-            })
-            .map(|(_, v)| v)
-            .collect()
+        fn secret_name(k: &str) -> bool {
+            let k = k.to_ascii_lowercase();
+            ["secret", "key", "token", "password", "sas", "credential"]
+                .iter()
+                .any(|s| k.contains(s))
+        }
+        let mut out = Vec::new();
+        for (k, v) in self.env().into_iter().chain(self.options.iter().cloned()) {
+            if v.len() < 4 || !secret_name(&k) {
+                continue;
+            }
+            if let Ok(serde_json::Value::Object(fields)) = serde_json::from_str(&v) {
+                for (name, field) in &fields {
+                    if let Some(text) = field.as_str().filter(|t| t.len() >= 4) {
+                        if secret_name(name) {
+                            out.push(text.to_string());
+                        }
+                    }
+                }
+            }
+            out.push(v);
+        }
+        // Longest first, so that a value containing another is replaced whole.
+        out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        out
     }
 }
 
@@ -202,7 +219,11 @@ impl ObjectFile {
     /// size is known).
     pub fn at(url: &str, opts: &ObjectOptions) -> Result<Self> {
         let parsed = Url::parse(url).map_err(|e| invalid_url(url, &e.to_string()))?;
-        if !parsed.username().is_empty() || parsed.password().is_some() {
+        // `abfs[s]://container@account.dfs.core.windows.net/key` names the container
+        // where a user would be; anywhere else a user, and a password anywhere, is a
+        // credential.
+        let container_at = matches!(parsed.scheme(), "az" | "abfs" | "abfss");
+        if (!parsed.username().is_empty() && !container_at) || parsed.password().is_some() {
             // Refused so that a secret never sits in a path that errors print.
             return Err(invalid_url(
                 &redact(&parsed),
@@ -212,9 +233,20 @@ impl ObjectFile {
         let (scheme, key) =
             ObjectStoreScheme::parse(&parsed).map_err(|e| invalid_url(url, &e.to_string()))?;
         let key = StorePath::parse(key).map_err(|e| invalid_url(url, &e.to_string()))?;
+        // What one client serves: scheme, container, host and port, and for `https://`
+        // URLs of a cloud store also the first path segment, which names the bucket or
+        // container there (two containers of an account must not share a client).
         let base = match scheme {
             ObjectStoreScheme::Http => parsed[..url::Position::BeforePath].to_string(),
-            _ => format!("{}://{}", parsed.scheme(), parsed.host_str().unwrap_or("")),
+            _ if parsed.scheme() == "https" => {
+                let first = parsed.path_segments().and_then(|mut s| s.next());
+                format!(
+                    "{}/{}",
+                    &parsed[..url::Position::BeforePath],
+                    first.unwrap_or("")
+                )
+            }
+            _ => parsed[..url::Position::BeforePath].to_string(),
         };
         let mut config: Vec<(String, String)> = opts.env();
         config.extend(opts.options.iter().cloned());
@@ -702,6 +734,40 @@ mod tests {
         .to_string();
         assert!(!e.contains("hunter22"), "{e}");
         assert!(e.contains("credentials"), "{e}");
+    }
+
+    #[test]
+    fn abfs_containers_are_no_credentials_but_passwords_are() {
+        let o = ObjectOptions {
+            from_env: false,
+            ..ObjectOptions::default()
+        }
+        .with("azure_storage_account_key", "a2V5")
+        .with("azure_storage_endpoint", "http://127.0.0.1:1/acct");
+        let f = ObjectFile::at("abfss://models@acct.dfs.core.windows.net/x/y.bin", &o).unwrap();
+        assert_eq!(f.key.as_ref(), "x/y.bin");
+        for u in [
+            "abfss://models:pw-sekrit@acct.dfs.core.windows.net/x",
+            "gs://me@bucket/x",
+        ] {
+            let e = ObjectFile::at(u, &o).unwrap_err().to_string();
+            assert!(e.contains("credentials") && !e.contains("pw-sekrit"), "{e}");
+        }
+    }
+
+    #[test]
+    fn secret_fields_of_json_values_are_scrubbed_alone_too() {
+        let pem = "-----BEGIN PRIVATE KEY-----\nMIIEsekrit\n-----END PRIVATE KEY-----\n";
+        let json = serde_json::json!({"private_key": pem, "client_email": "a@b.iam"}).to_string();
+        let o = ObjectOptions {
+            from_env: false,
+            ..ObjectOptions::default()
+        }
+        .with("google_service_account_key", &json);
+        let secrets = o.secrets();
+        assert_eq!(scrub(&format!("x {json} y"), &secrets), "x *** y");
+        assert_eq!(scrub(&format!("x {pem} y"), &secrets), "x *** y");
+        assert_eq!(scrub(&"a@b.iam", &secrets), "a@b.iam");
     }
 
     #[test]
