@@ -21,6 +21,7 @@ class NativeLoader:
         targets: list[tuple[str, int, int, int]],
         stream: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        verify: list[str | None] | None = None,
     ) -> dict[str, Any]: ...
 
 # (name, dtype, shape, kind "cpu" | "cuda", device, address, nbytes)
