@@ -5,7 +5,9 @@
 
 For each case (plain: every GPU loads alone; group: ranks share the reading through
 process_group; tp: each rank reads only its dim-0 slice of every 2-D weight), cold (page
-cache dropped) then hot: seconds (max over ranks), GB/s of checkpoint bytes delivered to
+cache dropped) then hot; and, where its wheel imports, InstantTensor alone on every GPU
+(it_plain) and in its distributed mode (it_group: safe_open with the process group):
+seconds (max over ranks), GB/s of checkpoint bytes delivered to
 every GPU, and per rank bytes read from storage and received over the group. Every
 tensor is checked against the checksums side_by_side.py `make` recorded (slices against
 slices of the plain load). Rank 0 prints one JSON line per case.
@@ -67,10 +69,19 @@ def main():
             elif case == "group":
                 out = tft.load_file(a.dir, device=dev, process_group=dist.group.WORLD)
                 rep = tfd.last_report()
-            else:
+            elif case == "tp":
                 out = tfd.load_file(a.dir, device=dev, process_group=dist.group.WORLD,
                                     shard=lambda name: (0, rank, world) if name.endswith("proj.weight") else None)
                 rep = tfd.last_report()
+            else:  # it_plain, it_group: InstantTensor, all files in one safe_open as its README says
+                from instanttensor import safe_open
+                files = sorted(os.path.join(a.dir, f) for f in os.listdir(a.dir) if f.endswith(".safetensors"))
+                pg = dist.group.WORLD if case == "it_group" else None
+                out = {}
+                with safe_open(files, framework="pt", device=local, process_group=pg) as f:
+                    for k, t in f.tensors():
+                        out[k] = t  # copy=True (the default): tensors own their memory
+                rep = {}
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if case == "tp":
