@@ -18,55 +18,12 @@ use common::servers::{
     b64_encode, gcs_service_account_json, rsa_key_pair, AzureServer, CloudState, FakeGcsServer,
     GcsServer, AZURE_KEY, GCS_CLIENT_EMAIL, GCS_KEY_ID,
 };
-use common::{expected, fixtures, pseudo_random_bytes, sha256_hex, SINGLE_FILES};
-use tensorferry::source::{ObjectFile, ObjectOptions};
-use tensorferry::{
-    Checkpoint, Dtype, Engine, Error, LoadOptions, Loader, SaveOptions, SaveSource, SaveTensor,
-    Saver,
+use common::stores::{
+    all_fixture_urls, check_load, check_loads_back, host_list, loader, owned, tiny_saver,
 };
-
-/// Tiny staging and GETs, so reads straddle slots and one GET fills several slots.
-fn loader(object: ObjectOptions) -> Loader {
-    Loader::new(LoadOptions {
-        slot_size: 8192,
-        slots: 3,
-        object_chunk: 20_000,
-        object_concurrency: 4,
-        object,
-        ..LoadOptions::default()
-    })
-}
-
-/// Loads `base/rel` and checks every tensor against the reference's sha256.
-fn check_load(l: &Loader, base: &str, rel: &str) {
-    let url = format!("{base}/{rel}");
-    let ck =
-        Checkpoint::open_with(&url, &l.options().object).unwrap_or_else(|e| panic!("{url}: {e}"));
-    let (tensors, report) = l
-        .load_checkpoint(&ck)
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
-    assert!(!tensors.is_empty(), "{url}");
-    for t in &tensors {
-        let entry = ck.tensor(&t.name).unwrap();
-        let file = ck.files[entry.file].to_string_lossy().into_owned();
-        let frel = file.strip_prefix(&format!("{base}/")).unwrap();
-        let texp = &expected().files[frel].tensors[&t.name];
-        assert_eq!(t.dtype.name(), texp.dtype, "{url} {}", t.name);
-        assert_eq!(t.shape, texp.shape, "{url} {}", t.name);
-        assert_eq!(sha256_hex(&t.data), texp.sha256, "{url} {}: bytes", t.name);
-    }
-    assert!(report.files.iter().all(|f| f.engine == Engine::Object));
-}
-
-/// Every fixture as a URL below a bucket: each single file, the sharded prefix (with and
-/// without a trailing slash) and its index.
-fn all_fixture_urls() -> Vec<String> {
-    let mut v: Vec<String> = SINGLE_FILES.iter().map(|s| (*s).to_string()).collect();
-    v.push("sharded".into());
-    v.push("sharded/".into());
-    v.push(expected().sharded.index.clone());
-    v
-}
+use common::{expected, fixtures, pseudo_random_bytes, sha256_hex};
+use tensorferry::source::{ObjectFile, ObjectOptions};
+use tensorferry::{Checkpoint, Dtype, Error, Loader, SaveOptions, Saver};
 
 /// Loads every fixture from `base` (a bucket holding the fixtures), then a prefix with
 /// shards but no index (listed).
@@ -213,62 +170,6 @@ fn azure_containers_of_one_account_are_not_mixed_up() {
 }
 
 // --- saves -------------------------------------------------------------------------------
-
-/// `(name, dtype, shape, bytes)` of a few tensors, from a scalar to ~100 KiB.
-fn owned() -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
-    [
-        ("a.scalar", Dtype::F32, vec![]),
-        ("b.odd", Dtype::U8, vec![4097]),
-        ("c.big", Dtype::F32, vec![157, 163]),
-        ("d.small", Dtype::BF16, vec![3, 5]),
-        ("e.mid", Dtype::I64, vec![1000, 3]),
-    ]
-    .into_iter()
-    .enumerate()
-    .map(|(i, (n, d, s))| {
-        let len = d.bytes_for(s.iter().product()).unwrap() as usize;
-        (n.to_string(), d, s, pseudo_random_bytes(len, i as u64 + 1))
-    })
-    .collect()
-}
-
-fn host_list(t: &[(String, Dtype, Vec<u64>, Vec<u8>)]) -> Vec<SaveTensor<'_>> {
-    t.iter()
-        .map(|(n, d, s, b)| SaveTensor {
-            name: n.clone(),
-            dtype: *d,
-            shape: s.clone(),
-            source: SaveSource::Host(b),
-        })
-        .collect()
-}
-
-/// Staging of 4 KiB slots, eight of them: uploads of many parts.
-fn tiny_saver(object: ObjectOptions) -> Saver {
-    Saver::new(SaveOptions {
-        threads: 2,
-        slot_size: 4096,
-        slots: 8,
-        object,
-        ..SaveOptions::default()
-    })
-}
-
-/// Loads `url` and checks every tensor's bytes against `tensors`.
-fn check_loads_back(
-    url: &str,
-    opts: &ObjectOptions,
-    tensors: &[(String, Dtype, Vec<u64>, Vec<u8>)],
-) {
-    let ck = Checkpoint::open_with(url, opts).unwrap_or_else(|e| panic!("{url}: {e}"));
-    let (loaded, _) = loader(opts.clone()).load_checkpoint(&ck).unwrap();
-    assert_eq!(loaded.len(), tensors.len(), "{url}");
-    for (name, dtype, shape, bytes) in tensors {
-        let t = loaded.iter().find(|t| &t.name == name).unwrap();
-        assert_eq!((t.dtype, &t.shape), (*dtype, shape), "{url} {name}");
-        assert!(t.data[..] == bytes[..], "{url} {name}: bytes differ");
-    }
-}
 
 /// Saves through multipart uploads (GCS) or block lists (Azure) to bucket `out` of the
 /// store behind `scheme://` and reads back: a single file (byte-identical to a local

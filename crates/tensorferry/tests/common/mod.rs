@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod servers;
+pub mod stores;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
