@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::servers::{
+use common::cloud::{
     b64_encode, gcs_service_account_json, rsa_key_pair, AzureServer, CloudState, FakeGcsServer,
     GcsServer, AZURE_KEY, GCS_CLIENT_EMAIL, GCS_KEY_ID,
 };

@@ -5,6 +5,7 @@
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
 
+pub mod cloud;
 pub mod servers;
 pub mod stores;
 
