@@ -29,9 +29,13 @@ struct Inner {
 fn populate_range(addr: usize, len: usize) {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
     // SAFETY: advice on part of our own mapping; it changes no contents.
-    if unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) } == 0 {
-        return;
+    if unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) } != 0 {
+        touch_pages(addr, len);
     }
+}
+
+/// The fallback of [`populate_range`]: a write fault per page that keeps its byte.
+fn touch_pages(addr: usize, len: usize) {
     for page in (addr..addr + len).step_by(4096) {
         // SAFETY: `page` is inside the pool's live mapping; `fetch_or(0)` writes back the
         // byte it reads atomically, so a slot in use by another thread keeps its data.
@@ -270,6 +274,9 @@ mod tests {
         a.as_mut_slice().copy_from_slice(&pattern);
         pool.populate();
         pool.populate();
+        assert_eq!(a.as_slice(), &pattern[..]);
+        // The fallback for kernels without MADV_POPULATE_WRITE keeps the data too.
+        touch_pages(a.as_mut_ptr() as usize, a.capacity());
         assert_eq!(a.as_slice(), &pattern[..]);
         let b = pool.acquire();
         assert!(b.as_slice().iter().all(|&x| x == 0));
