@@ -5,6 +5,7 @@
 //! index is copied last, so it never names a shard that is not there yet.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -30,7 +31,22 @@ pub struct Args {
     json: bool,
 }
 
+/// Set by the first Ctrl-C; the copy stops, discards the file in progress (a local
+/// temporary file is removed, an upload aborted) and exits with status 130.
+static CANCEL: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    if CANCEL.swap(true, Ordering::SeqCst) {
+        // A second Ctrl-C: stop at once.
+        // SAFETY: `_exit` is async-signal-safe.
+        unsafe { libc::_exit(130) };
+    }
+}
+
 pub fn run(args: &Args) -> Result<()> {
+    // SAFETY: the handler only stores to an atomic and calls `_exit`, both
+    // async-signal-safe.
+    unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let opts = CopyOptions {
         files: args.jobs.max(1),
         ..CopyOptions::default()
@@ -39,15 +55,26 @@ pub fn run(args: &Args) -> Result<()> {
     let bar = Bar::new(0, &format!("copying {}", args.src.display()), args.json);
     let b = Arc::clone(&bar);
     let progress = move |done: u64, total: u64| b.update_of(done, total);
-    let report = copy_files(
+    let report = match copy_files(
         &pairs,
         &opts,
         SaveControl {
-            cancel: None,
+            cancel: Some(&CANCEL),
             progress: Some(&progress),
             ..SaveControl::default()
         },
-    )?;
+    ) {
+        Ok(r) => r,
+        Err(tensorferry::Error::Cancelled) => {
+            bar.finish();
+            eprintln!(
+                "cancelled: the file in progress was discarded (files copied before it stay; a \
+                 checkpoint's index is copied last)"
+            );
+            std::process::exit(130);
+        }
+        Err(e) => return Err(e.into()),
+    };
     bar.finish();
     if args.json {
         let files: Vec<_> = pairs

@@ -1,5 +1,6 @@
 //! `tensorferry cp` against a real `s3s-fs` server: a sharded checkpoint copied
-//! local -> s3 -> local comes back byte-identical; a missing source fails with `error:`.
+//! local -> s3 -> local comes back byte-identical; a missing source fails with `error:`;
+//! Ctrl-C stops a copy and leaves nothing.
 //! Skips, saying why, when `s3s-fs` is not installed.
 
 use std::net::{TcpListener, TcpStream};
@@ -59,17 +60,20 @@ fn start(root: &Path) -> Option<(Server, u16)> {
     Some((server, port))
 }
 
-fn cp(port: u16, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tensorferry"))
-        .arg("cp")
+fn cp_command(port: u16, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tensorferry"));
+    c.arg("cp")
         .args(args)
         .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
         .env("AWS_ACCESS_KEY_ID", KEY)
         .env("AWS_SECRET_ACCESS_KEY", SECRET)
         .env("AWS_REGION", "us-east-1")
-        .env("AWS_ALLOW_HTTP", "true")
-        .output()
-        .unwrap()
+        .env("AWS_ALLOW_HTTP", "true");
+    c
+}
+
+fn cp(port: u16, args: &[&str]) -> Output {
+    cp_command(port, args).output().unwrap()
 }
 
 fn sharded_fixture() -> PathBuf {
@@ -137,4 +141,54 @@ fn cp_of_a_missing_source_exits_1_with_an_error() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("error:") && err.contains("nope"), "{err}");
+}
+
+/// Ctrl-C during an upload: exit status 130, the multipart upload aborted (nothing under
+/// the key, no parts left in the bucket), and the same copy then works.
+#[test]
+fn ctrl_c_during_cp_discards_the_file_in_progress() {
+    let root = tempfile::tempdir().unwrap();
+    let bucket = root.path().join("bucket");
+    std::fs::create_dir_all(&bucket).unwrap();
+    let Some((_server, port)) = start(root.path()) else {
+        return;
+    };
+    let src_dir = tempfile::tempdir().unwrap();
+    let src = src_dir.path().join("big.bin");
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(384 << 20).unwrap();
+    drop(f);
+    let child = cp_command(port, &[src.to_str().unwrap(), "s3://bucket/big.bin"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("cancelled"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&bucket).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left in the bucket: {left:?}");
+    // s3s-fs keeps the parts of open uploads beside the buckets; the abort removed them.
+    let parts: Vec<_> = std::fs::read_dir(root.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".upload"))
+        .collect();
+    assert!(parts.is_empty(), "parts of an upload left: {parts:?}");
+
+    let out = cp(port, &[src.to_str().unwrap(), "s3://bucket/big.bin"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::metadata(bucket.join("big.bin")).unwrap().len(),
+        384 << 20
+    );
 }
