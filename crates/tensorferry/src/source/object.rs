@@ -545,9 +545,11 @@ impl Upload {
     }
 
     /// Aborts the upload: parts sent are discarded and nothing appears under the key.
+    /// Parts still in flight finish (or fail) first: one the server stored after the
+    /// abort would stay behind, unseen but kept (as S3 documents for its aborts).
     pub fn abort(&mut self) {
         for h in self.pending.drain(..) {
-            h.abort();
+            let _ = block_on(h);
         }
         if let Some(mut up) = self.inner.take() {
             if let Err(e) = block_on(up.abort()) {
