@@ -85,8 +85,8 @@ class _Torch(_core.Adapter):
             return torch.empty(tuple(shape), dtype=_torch_dtype(dtype), device=device)
         except _TORCH_OOM as e:
             raise OutOfMemoryError(str(e).split("\n")[0]) from None
-        except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
-            if "allocate" not in str(e):
+        except RuntimeError as e:  # the CPU allocator's OOM is a plain RuntimeError
+            if "can't allocate memory" not in str(e):
                 raise
             raise OutOfMemoryError(str(e).split("\n")[0]) from None
 

@@ -351,3 +351,14 @@ def test_a_load_that_fails_part_way_frees_its_tensors(tmp_path):
         assert all(r() is None for r in allocated), "a failed load kept its tensors alive"
     finally:
         gc.enable()
+
+
+def test_adapters_turn_allocation_failures_into_out_of_memory_errors():
+    """torch's CPU allocator and numpy fail with their own errors (RuntimeError,
+    MemoryError); both become OutOfMemoryError, which load_file then names the file by."""
+    import tensorferry.numpy as tfn_mod
+
+    with pytest.raises(tensorferry.OutOfMemoryError, match="allocate"):
+        tft._AD.empty((1 << 60,), "U8", torch.device("cpu"))
+    with pytest.raises(tensorferry.OutOfMemoryError):
+        tfn_mod._AD.empty((1 << 60,), "U8", None)

@@ -314,9 +314,6 @@ impl Drop for DeviceBuffer {
 /// Page-locks the staging pool's memory with `cuMemHostRegister` (once per pool), so
 /// host-to-device copies from it run at full PCIe speed and asynchronously.
 pub fn register_pool(pool: &StagingPool) -> Result<()> {
-    if pool.is_registered() {
-        return Ok(());
-    }
     init()?;
     pool.populate();
     pool.register_once(|ptr, len| {

@@ -136,15 +136,6 @@ impl StagingPool {
         });
     }
 
-    /// Whether the pool's memory is registered with a driver (false while a
-    /// registration is in progress).
-    pub fn is_registered(&self) -> bool {
-        self.inner
-            .unregister
-            .try_lock()
-            .is_ok_and(|slot| slot.is_some())
-    }
-
     /// Registers the pool's memory with a driver once: `register(base, len)` runs on the
     /// first call only and returns what undoes it when the pool is freed. Later calls
     /// return `Ok` at once.
