@@ -4,7 +4,7 @@
 //! pieces arrive out of order across threads — and name the tensor whose bytes differ.
 
 mod common;
-use common::pseudo_random_bytes;
+use common::Owned;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -41,44 +41,16 @@ fn loader(engine: EngineChoice, slot_size: usize, verify: bool) -> Loader {
     })
 }
 
-struct Owned {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<u64>,
-    data: Vec<u8>,
-}
-
-impl Owned {
-    fn new(name: &str, dtype: Dtype, shape: &[u64], seed: u64) -> Self {
-        let n = dtype.bytes_for(shape.iter().product()).unwrap();
-        Self {
-            name: name.to_string(),
-            dtype,
-            shape: shape.to_vec(),
-            data: pseudo_random_bytes(n as usize, seed),
-        }
-    }
-
-    fn save(&self) -> SaveTensor<'_> {
-        SaveTensor {
-            name: self.name.clone(),
-            dtype: self.dtype,
-            shape: self.shape.clone(),
-            source: SaveSource::Host(&self.data),
-        }
-    }
-}
-
 /// Tensors of several sizes: empty, tiny, and several straddling 4-8 KiB slots.
 fn tensors() -> Vec<Owned> {
     vec![
-        Owned::new("a.empty", Dtype::F32, &[0], 1),
-        Owned::new("b.scalar", Dtype::F64, &[], 2),
-        Owned::new("c.odd", Dtype::U8, &[10_007], 3),
-        Owned::new("d.big", Dtype::F32, &[9001, 3], 4),
-        Owned::new("e.mid", Dtype::BF16, &[4097], 5),
-        Owned::new("f \"quoted\"", Dtype::I64, &[513], 6),
-        Owned::new("g.big2", Dtype::U8, &[70_001], 7),
+        Owned::new("a.empty", Dtype::F32, &[0], 1).unwrap(),
+        Owned::new("b.scalar", Dtype::F64, &[], 2).unwrap(),
+        Owned::new("c.odd", Dtype::U8, &[10_007], 3).unwrap(),
+        Owned::new("d.big", Dtype::F32, &[9001, 3], 4).unwrap(),
+        Owned::new("e.mid", Dtype::BF16, &[4097], 5).unwrap(),
+        Owned::new("f \"quoted\"", Dtype::I64, &[513], 6).unwrap(),
+        Owned::new("g.big2", Dtype::U8, &[70_001], 7).unwrap(),
     ]
 }
 

@@ -22,7 +22,7 @@ use tensorferry::{
     SaveSource, SaveTensor, Saver,
 };
 
-use common::{expected, fixture, pseudo_random_bytes};
+use common::{expected, fixture, pseudo_random_bytes, Owned};
 
 /// Staging of 4 KiB slots, three of them: tensors straddle slots and every write of a
 /// file of more than 12 KiB waits for a slot.
@@ -35,35 +35,6 @@ fn tiny(direct: DirectPolicy) -> Saver {
         streams: 2,
         ..SaveOptions::default()
     })
-}
-
-/// A tensor as owned test data.
-struct Owned {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<u64>,
-    data: Vec<u8>,
-}
-
-impl Owned {
-    fn new(name: &str, dtype: Dtype, shape: &[u64], seed: u64) -> Option<Self> {
-        let n = dtype.bytes_for(shape.iter().product()).ok()?;
-        Some(Self {
-            name: name.to_string(),
-            dtype,
-            shape: shape.to_vec(),
-            data: pseudo_random_bytes(n as usize, seed),
-        })
-    }
-
-    fn save(&self) -> SaveTensor<'_> {
-        SaveTensor {
-            name: self.name.clone(),
-            dtype: self.dtype,
-            shape: self.shape.clone(),
-            source: SaveSource::Host(&self.data),
-        }
-    }
 }
 
 /// One tensor per dtype and shape: scalars, empty tensors, odd byte counts, and a few

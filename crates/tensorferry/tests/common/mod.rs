@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use tensorferry::{Checkpoint, HostTensor};
+use tensorferry::{Checkpoint, Dtype, HostTensor, SaveSource, SaveTensor};
 
 /// What `make_fixtures.py` recorded.
 #[derive(Debug, Deserialize)]
@@ -200,4 +200,35 @@ pub fn pseudo_random_bytes(n: usize, seed: u64) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect()
+}
+
+/// A tensor as owned test data.
+pub struct Owned {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub data: Vec<u8>,
+}
+
+impl Owned {
+    /// `None` where the dtype refuses the shape's element count (`Dtype::bytes_for`).
+    pub fn new(name: &str, dtype: Dtype, shape: &[u64], seed: u64) -> Option<Self> {
+        let n = dtype.bytes_for(shape.iter().product()).ok()?;
+        Some(Self {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            data: pseudo_random_bytes(n as usize, seed),
+        })
+    }
+
+    /// The tensor as a save source (host memory).
+    pub fn save(&self) -> SaveTensor<'_> {
+        SaveTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            source: SaveSource::Host(&self.data),
+        }
+    }
 }
